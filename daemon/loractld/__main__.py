@@ -1,0 +1,3 @@
+from loractld.main import main
+
+main()

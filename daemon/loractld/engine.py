@@ -1,0 +1,238 @@
+"""The engine: the only module of loractl that imports vllm.
+
+Wraps vLLM's ``AsyncLLM``: start and stop, streaming generation with a ``LoRARequest``. It
+applies the CPU fixes (see ``cpu_fixes``) when running on the CPU.
+
+Invariants:
+- ``vllm`` and ``torch`` are imported inside functions, never at module import, so the rest
+  of the daemon (and anything that imports it for its types) stays cheap to import.
+- Environment that vLLM reads at import or hands to its child processes is set in
+  ``_prepare_environment`` before the first vllm import, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from loractl.errors import EngineUnavailable, InvalidRequest
+from loractld import cpu_fixes
+from loractld.adapters import AdapterRef
+
+_log = logging.getLogger("loractld.engine")
+
+# Variables that belong to loractld's own process and must not leak into vLLM's children:
+# systemd would otherwise accept their notifications, or they would try to reuse our sockets.
+_PRIVATE_ENV = ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is started with; every field maps to a loractld flag."""
+
+    model: str
+    device: str = "auto"            # auto | cuda | cpu
+    dtype: str = "auto"             # auto -> float32 on CPU, vLLM's choice on CUDA
+    max_loras: int = 2              # device slots
+    max_cpu_loras: int = 4          # host cache entries
+    max_lora_rank: int = 16
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    kv_cache_bytes: int | None = None   # required on CPU; None -> 256 MiB there
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    # Off only to reproduce the upstream CPU bugs (tests, benchmarks); see cpu_fixes.
+    cpu_fixes: bool = True
+
+
+@dataclass
+class Sampling:
+    max_tokens: int = 256
+    min_tokens: int = 0
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """One step of a streamed completion."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def resolve_device(requested: str) -> str:
+    if requested in ("cpu", "cuda"):
+        return requested
+    if requested != "auto":
+        raise InvalidRequest(f"unknown device {requested!r}", "Use --device auto, cuda or cpu.")
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
+    for name in _PRIVATE_ENV:
+        os.environ.pop(name, None)
+    # One engine-core process that holds the worker, instead of core + worker processes:
+    # faster start (7 s instead of 12-16 s on CPU), and one child to reap.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if device == "cpu":
+        os.environ[cpu_fixes.ENV_FLAG] = "1"
+    else:
+        # vLLM 0.26 defaults to the flashinfer sampler and fails without flashinfer.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+class Engine:
+    """A running ``AsyncLLM`` with LoRA enabled. Create with :meth:`start`."""
+
+    def __init__(self, llm: Any, settings: EngineSettings, device: str, dtype: str, start_seconds: float):
+        self._llm = llm
+        self.settings = settings
+        self.device = device
+        self.dtype = dtype
+        self.start_seconds = start_seconds
+        self._tokenizer = llm.get_tokenizer()
+        import vllm
+
+        self.vllm_version = vllm.__version__
+
+    @classmethod
+    async def start(cls, settings: EngineSettings) -> Engine:
+        began = time.monotonic()
+        device = resolve_device(settings.device)
+        _prepare_environment(device, settings.cpu_fixes)
+        if device == "cpu" and settings.cpu_fixes:
+            cpu_fixes.install()  # for anything vLLM runs in this process too
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        dtype = settings.dtype
+        kv_bytes = settings.kv_cache_bytes
+        if device == "cpu":
+            # float32 on CPU: exact against references, and no AMX-bf16 path to trip over.
+            dtype = "float32" if dtype == "auto" else dtype
+            kv_bytes = kv_bytes or 256 << 20
+        args = AsyncEngineArgs(
+            model=settings.model,
+            dtype=dtype,
+            enable_lora=True,
+            max_loras=settings.max_loras,
+            max_cpu_loras=settings.max_cpu_loras,
+            max_lora_rank=settings.max_lora_rank,
+            max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            kv_cache_memory_bytes=kv_bytes,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            enforce_eager=device == "cpu",
+            seed=settings.seed,
+        )
+        try:
+            # Blocking for seconds; a thread keeps the daemon's loop (signals, Status) alive.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as e:
+            raise EngineUnavailable(
+                f"the engine failed to start for model {settings.model!r}: {e}",
+                "Check the model path and the flags; LORACTL_DEBUG=1 shows the traceback.",
+            ) from e
+        engine = cls(llm, settings, device, dtype, time.monotonic() - began)
+        _log.info("engine up in %.1f s (vllm %s, %s, %s)", engine.start_seconds, engine.vllm_version, device, dtype)
+        return engine
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template."""
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:
+            raise InvalidRequest(
+                f"the model's chat template could not render these messages: {e}",
+                "Send a raw prompt instead (loractl run --raw).",
+            ) from e
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self._tokenizer.encode(prompt, add_special_tokens=False))
+
+    def _lora_request(self, adapter: AdapterRef):
+        from vllm.lora.request import LoRARequest
+
+        # Keyword arguments only: LoRARequest is serialized by position, and its fields moved
+        # between vLLM releases.
+        return LoRARequest(lora_name=adapter.engine_name, lora_int_id=adapter.engine_id, lora_path=str(adapter.path))
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling: Sampling, adapter: AdapterRef | None = None
+    ) -> AsyncIterator[Delta]:
+        """Stream a completion. Cancelling the iteration aborts the request in the engine."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
+        if len(prompt_token_ids) + sampling.max_tokens > self.settings.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"the context of {self.settings.max_model_len} tokens",
+                "Lower --max-tokens or shorten the prompt.",
+            )
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            min_tokens=sampling.min_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            seed=sampling.seed,
+            stop=sampling.stop or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        lora_request = self._lora_request(adapter) if adapter else None
+        request_id = uuid.uuid4().hex
+        first = True
+        try:
+            async for out in self._llm.generate(
+                {"prompt_token_ids": prompt_token_ids}, params, request_id, lora_request=lora_request
+            ):
+                completion = out.outputs[0]
+                yield Delta(
+                    text=completion.text,
+                    token_ids=list(completion.token_ids),
+                    finish_reason=completion.finish_reason if out.finished else None,
+                    prompt_token_ids=list(out.prompt_token_ids or prompt_token_ids) if first else None,
+                )
+                first = False
+        except (InvalidRequest, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            if self.errored:
+                raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
+            raise
+
+    @property
+    def errored(self) -> bool:
+        return bool(getattr(self._llm, "errored", False))
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes. Idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        llm.shutdown()
+        # Drop the last reference now: AsyncLLM.__del__ calls shutdown() again, and at
+        # interpreter exit it would run with module globals already torn down.
+        del llm
+        import gc
+
+        gc.collect()

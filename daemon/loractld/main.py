@@ -1,0 +1,105 @@
+"""``loractld``: the daemon's command line. Runs in the foreground (systemd runs exactly this)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+
+from loractl import __version__
+from loractl.errors import LoractlError
+from loractld.engine import EngineSettings
+from loractld.server import DaemonSettings, serve
+
+EPILOG = """\
+examples:
+  loractld --model demo                      the embedded tiny model (built on first start)
+  loractld --model meta-llama/Llama-3.1-8B-Instruct --max-loras 8 --max-cpu-loras 32
+  LORACTL_HOME=/tmp/lc loractld --model demo --device cpu
+"""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '1G', '512k', '1048576' -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 256MiB or 2GiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * (1 << (10 * " kmgt".index(unit or " "))))
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loractld",
+        description="The loractl daemon: one vLLM engine, LoRA adapters across disk -> host -> device, "
+                    "served over gRPC on a Unix socket.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="base model: a local folder, a Hub repo id, or 'demo'")
+    p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
+    p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
+    p.add_argument("--dtype", default="auto", help="model dtype (default: float32 on CPU, vLLM's choice on CUDA)")
+    p.add_argument("--max-loras", type=positive_int, default=2, help="adapter slots on the device (default: 2)")
+    p.add_argument("--max-cpu-loras", type=positive_int, default=4,
+                   help="adapters cached in host RAM (default: 4; at least --max-loras)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="largest adapter rank (default: 16)")
+    p.add_argument("--max-model-len", type=positive_int, default=1024, help="context length (default: 1024)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences per batch (default: 16)")
+    p.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV cache size, e.g. 256MiB (default on CPU: 256MiB; on CUDA vLLM sizes it)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable vLLM's prefix cache")
+    p.add_argument("--no-cpu-fixes", action="store_true",
+                   help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running generations get to finish on SIGTERM (default: 10)")
+    p.add_argument("--log-level", default=os.environ.get("LORACTL_LOG_LEVEL", "INFO"),
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--version", action="version", version=f"loractld {__version__}")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> DaemonSettings:
+    if args.max_cpu_loras < args.max_loras:
+        raise LoractlError(
+            f"--max-cpu-loras ({args.max_cpu_loras}) is below --max-loras ({args.max_loras})",
+            f"Every adapter on the device is also cached on the host: use --max-cpu-loras {args.max_loras} or more.",
+        )
+    engine = EngineSettings(
+        model=args.model, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
+    )
+    return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = asyncio.run(serve(settings_from(args)))
+    except LoractlError as e:
+        print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+        if os.environ.get("LORACTL_DEBUG"):
+            raise
+        code = 1
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The daemon's lifecycle: bind the socket, start the engine, serve, shut down cleanly.
+
+Shutdown order on SIGTERM/SIGINT (what systemd and Ctrl-C send): stop accepting new
+generations, let running ones finish within the grace period, cancel the rest with a clear
+status, close the gRPC server, stop the engine (and its child processes), remove the socket,
+exit 0. A daemon whose engine cannot start exits 1, so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpclib.server import Server
+
+from loractl import paths
+from loractl.errors import LoractlError
+from loractld.adapters import AdapterResolver
+from loractld.engine import Engine, EngineSettings
+from loractld.service import LoractlService
+
+_log = logging.getLogger("loractld")
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    engine: EngineSettings
+    home: str | None = None
+    socket: str | None = None
+    shutdown_grace_s: float = 10.0
+
+
+class SocketInUse(LoractlError):
+    kind = "socket_in_use"
+    default_hint = "Stop the other daemon (loractl status shows its pid), or pass another --socket."
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Make ``path`` free to bind: refuse if a live daemon answers there, remove a stale file."""
+    if len(os.fsencode(path)) > paths.MAX_SOCKET_PATH:
+        raise LoractlError(f"socket path is longer than {paths.MAX_SOCKET_PATH} bytes: {path}",
+                           "Use a shorter --socket or --home.")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # stale: its daemon is gone
+        return
+    except OSError as e:
+        raise LoractlError(f"cannot use socket path {path}: {e}") from e
+    finally:
+        probe.close()
+    raise SocketInUse(f"another daemon is already listening on {path}")
+
+
+def resolve_model(model: str, home: str | None) -> str:
+    """``demo`` is the embedded default (built on first use); anything else goes to vLLM as is."""
+    if model != "demo":
+        return model
+    from loractld.demo import ensure_demo
+
+    root = paths.layout(home).demo_dir
+    _log.info("building the embedded demo model under %s (first start only)", root)
+    return str(ensure_demo(root) / "model")
+
+
+async def serve(settings: DaemonSettings) -> int:
+    loop = asyncio.get_running_loop()
+    layout = paths.layout(settings.home)
+    sock_path = paths.socket_path(settings.socket, settings.home)
+    _claim_socket_path(sock_path)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    service = LoractlService(
+        socket_path=str(sock_path),
+        home=str(layout.home or layout.data_dir),
+        resolver=AdapterResolver(settings.engine.max_lora_rank),
+    )
+    server = Server([service])
+    old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
+    try:
+        await server.start(path=str(sock_path))
+    finally:
+        os.umask(old_umask)
+    _log.info("listening on %s", sock_path)
+
+    async def start_engine() -> Engine:
+        model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
+        return await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
+
+    engine: Engine | None = None
+    exit_code = 0
+    engine_task = asyncio.create_task(start_engine())
+    stop_task = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set() and not engine_task.done():
+            _log.info("stop requested while the engine starts; waiting for it to come up to stop it")
+        try:
+            engine = await engine_task
+        except LoractlError as e:
+            _log.error("%s (hint: %s)", e.message, e.hint)
+            service.set_engine_failed(e)
+            exit_code = 1
+        else:
+            service.set_engine(engine)
+            _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
+                      engine.start_seconds)
+            await stop.wait()
+        _log.info("shutting down")
+        cancelled = await service.drain(settings.shutdown_grace_s)
+        if cancelled:
+            _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
+    finally:
+        stop_task.cancel()
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), timeout=5)
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+        sock_path.unlink(missing_ok=True)
+        _log.info("stopped")
+    return exit_code

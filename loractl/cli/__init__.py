@@ -1,0 +1,1 @@
+"""The ``loractl`` command line: one module per command group, assembled in ``app``."""

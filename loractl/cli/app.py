@@ -1,0 +1,38 @@
+"""Assembles the ``loractl`` CLI from its command modules."""
+
+from __future__ import annotations
+
+import typer
+
+from loractl import __version__
+from loractl.cli import run, status
+
+app = typer.Typer(
+    name="loractl",
+    help="Manage LoRA adapters on a local vLLM engine (the loractld daemon).\n\n"
+         "Start the daemon with `loractld --model demo`, then: loractl status, loractl run PROMPT.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+for module in (status, run):
+    module.register(app)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"loractl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    pass
+
+
+def main() -> None:
+    app()

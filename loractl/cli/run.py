@@ -1,0 +1,60 @@
+"""``loractl run``: one prompt, one streamed answer."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from loractl.cli._common import HomeOpt, SocketOpt, with_client
+from loractl.client import Client
+
+LoraOpt = Annotated[
+    str | None,
+    typer.Option("--lora", "-l", help="Adapter to answer with: a PEFT adapter folder. Default: the base model."),
+]
+
+
+def run(
+    prompt: Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.")],
+    lora: LoraOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0,
+                                               help="Sampling temperature; 0 is greedy.")] = 0.8,
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed, for repeatable samples.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Answer PROMPT, streaming tokens to stdout as they arrive.
+
+    The prompt goes through the model's chat template as one user message, unless --raw.
+
+    Examples:
+
+        loractl run "Write a query that counts users"
+
+        loractl run --lora ./adapters/sql-expert --temperature 0 "List all tables"
+
+        echo "Summarise this" | loractl run -
+    """
+    if prompt == "-":
+        prompt = sys.stdin.read()
+
+    async def stream(client: Client) -> None:
+        kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed)
+        chunks = (client.generate(prompt, **kwargs) if raw
+                  else client.generate(messages=[{"role": "user", "content": prompt}], **kwargs))
+        async for chunk in chunks:
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    with_client(socket, home, stream)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run)

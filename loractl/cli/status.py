@@ -1,0 +1,42 @@
+"""``loractl status``: is the daemon up, and what does it run."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, print_json, stdout, with_client
+
+
+def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Show the daemon's state: model, device, LoRA capacity, uptime.
+
+    Examples:
+
+        loractl status
+
+        loractl status --json | jq .engine.max_loras
+    """
+    info = with_client(socket, home, lambda client: client.status())
+    if json_output:
+        print_json(info)
+        return
+    engine = info["engine"]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("state", "[green]ready[/]" if info["ready"] else "[yellow]starting[/]")
+    table.add_row("model", engine["model"] or "-")
+    table.add_row("device", f"{engine['device'] or '-'} ({engine['dtype'] or '-'})")
+    table.add_row("lora slots", f"device {engine['max_loras']}, host {engine['max_cpu_loras']}, "
+                                f"max rank {engine['max_lora_rank']}")
+    table.add_row("context", f"{engine['max_model_len']} tokens")
+    table.add_row("in flight", str(info["requests_in_flight"]))
+    table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")
+    table.add_row("daemon", f"loractld {info['version']}, vllm {engine['vllm_version'] or '-'}, pid {info['pid']}")
+    table.add_row("socket", info["socket"])
+    stdout.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)

@@ -1,0 +1,162 @@
+"""``loractl.Client``: the async client library the CLI itself uses.
+
+    async with Client() as client:
+        print(await client.status())
+        async for chunk in client.generate(messages=[{"role": "user", "content": "hi"}]):
+            print(chunk.text, end="")
+
+Every failure surfaces as a :class:`loractl.errors.LoractlError` subclass with a message and
+a hint: a daemon that is not running is :class:`DaemonNotRunning`, and the daemon's own
+domain errors arrive as the class it raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from grpclib.client import Channel
+from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+from loractl import paths
+from loractl.errors import DaemonNotRunning, InvalidRequest, LoractlError, from_wire
+from loractl.v1 import loractl_pb2 as pb
+from loractl.v1.loractl_grpc import LoractlStub
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of a completion (deltas; the last one has ``finish_reason``)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    adapter: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def to_dict(message: Any) -> dict[str, Any]:
+    """A protobuf message as a plain dict with every field present (stable JSON output)."""
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+class Client:
+    """An async connection to one loractld over its Unix socket.
+
+    The socket is ``socket`` if given, else ``$LORACTL_SOCKET``, else the default under
+    ``home`` / ``$LORACTL_HOME`` / the platform runtime dir.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, *, home: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.socket_path = paths.socket_path(socket, home)
+        self.timeout = timeout
+        self._channel: Channel | None = None
+        self._stub: LoractlStub | None = None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = self._stub = None
+
+    @property
+    def stub(self) -> LoractlStub:
+        if self._stub is None:
+            if len(os.fsencode(self.socket_path)) > paths.MAX_SOCKET_PATH:
+                raise InvalidRequest(
+                    f"socket path is longer than {paths.MAX_SOCKET_PATH} bytes: {self.socket_path}",
+                    "Use a shorter --socket or LORACTL_HOME.",
+                )
+            self._channel = Channel(path=str(self.socket_path))
+            self._stub = LoractlStub(self._channel)
+        return self._stub
+
+    def _start_hint(self) -> str:
+        if self.socket_path == paths.layout().default_socket:
+            return "Start it with: loractld --model demo"
+        return f"Start it with: loractld --model demo --socket {self.socket_path}"
+
+    @asynccontextmanager
+    async def _errors(self):
+        """Translate transport and gRPC failures into domain errors."""
+        try:
+            yield
+        except GRPCError as e:
+            raise from_wire(e.status, e.message) from e
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise DaemonNotRunning(f"no loractl daemon is listening at {self.socket_path}",
+                                   self._start_hint()) from e
+        except (StreamTerminatedError, ConnectionResetError, BrokenPipeError) as e:
+            raise DaemonNotRunning(f"the connection to the daemon at {self.socket_path} was lost: {e}",
+                                   "Check whether the daemon is still running (loractl status).") from e
+        except OSError as e:
+            if isinstance(e, LoractlError):
+                raise
+            raise DaemonNotRunning(f"cannot reach the daemon at {self.socket_path}: {e.strerror or e}") from e
+
+    async def status(self) -> dict[str, Any]:
+        async with self._errors():
+            reply = await self.stub.Status(pb.StatusRequest(), timeout=self.timeout)
+        return to_dict(reply)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        lora: str | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+    ) -> AsyncIterator[Chunk]:
+        """Stream a completion of ``prompt`` (sent as is) or ``messages`` (chat template).
+
+        ``lora`` is an adapter: an existing local PEFT folder (made absolute here) or a name
+        the daemon resolves. Closing the
+        iterator early cancels the request in the daemon.
+        """
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages")
+        if lora and not os.path.isabs(lora) and os.path.isdir(lora):
+            lora = str(Path(lora).absolute())  # a local folder; anything else is a name
+        sampling = pb.SamplingParams(stop=stop or [])
+        for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("temperature", temperature),
+                            ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(sampling, name, value)
+        request = pb.GenerateRequest(
+            prompt=prompt or "",
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
+            sampling=sampling,
+            lora=lora or "",
+        )
+        async with self._errors():
+            async with self.stub.Generate.open(timeout=self.timeout) as stream:
+                await stream.send_message(request, end=True)
+                async for reply in stream:
+                    yield Chunk(
+                        text=reply.text,
+                        token_ids=list(reply.token_ids),
+                        finish_reason=reply.finish_reason,
+                        prompt_token_ids=list(reply.prompt_token_ids),
+                        adapter=reply.adapter,
+                        prompt_tokens=reply.usage.prompt_tokens,
+                        completion_tokens=reply.usage.completion_tokens,
+                    )

@@ -1,0 +1,99 @@
+"""Domain errors shared by the daemon and its clients, each with a hint of what to do next.
+
+Invariant: every failure a user can cause surfaces as exactly one ``LoractlError`` subclass
+with a one-line ``message`` and a one-line ``hint``. The daemon raises them; the service maps
+them to gRPC status codes; the client maps the status back to the same class, so callers of
+``loractl.Client`` and the CLI see the same error the daemon raised.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import ClassVar
+
+from grpclib.const import Status
+
+
+class LoractlError(Exception):
+    """Base class: ``message`` says what went wrong, ``hint`` what to run next."""
+
+    kind: ClassVar[str] = "internal"
+    grpc_status: ClassVar[Status] = Status.INTERNAL
+    exit_code: ClassVar[int] = 1
+    default_hint: ClassVar[str] = "Run with LORACTL_DEBUG=1 for details, and check the daemon's log."
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DaemonNotRunning(LoractlError):
+    kind = "daemon_not_running"
+    grpc_status = Status.UNAVAILABLE
+    exit_code = 3
+    default_hint = "Start it with: loractld --model demo"
+
+
+class InvalidRequest(LoractlError):
+    kind = "invalid_request"
+    grpc_status = Status.INVALID_ARGUMENT
+    exit_code = 2
+    default_hint = "See: loractl COMMAND --help"
+
+
+class AdapterNotFound(LoractlError):
+    kind = "adapter_not_found"
+    grpc_status = Status.NOT_FOUND
+    exit_code = 4
+    default_hint = "Give the path of a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."
+
+
+class InvalidAdapter(LoractlError):
+    kind = "invalid_adapter"
+    grpc_status = Status.FAILED_PRECONDITION
+    exit_code = 5
+    default_hint = "Check the adapter's adapter_config.json and weights against the base model."
+
+
+class EngineUnavailable(LoractlError):
+    kind = "engine_unavailable"
+    grpc_status = Status.UNAVAILABLE
+    exit_code = 6
+    default_hint = "Check the daemon's log; restart it with: loractld --model MODEL"
+
+
+class Cancelled(LoractlError):
+    kind = "cancelled"
+    grpc_status = Status.CANCELLED
+    exit_code = 130
+    default_hint = "The request was cancelled (daemon shutting down or client gone); run it again."
+
+
+_BY_KIND: dict[str, type[LoractlError]] = {
+    cls.kind: cls
+    for cls in (LoractlError, DaemonNotRunning, InvalidRequest, AdapterNotFound, InvalidAdapter,
+                EngineUnavailable, Cancelled)
+}
+
+
+def to_wire(error: LoractlError) -> str:
+    """The gRPC status message for a domain error: JSON, so kind and hint survive the trip."""
+    return json.dumps({"kind": error.kind, "message": error.message, "hint": error.hint})
+
+
+def from_wire(status: Status, wire_message: str | None) -> LoractlError:
+    """Rebuild the domain error a daemon sent; any other gRPC error becomes a generic one."""
+    try:
+        payload = json.loads(wire_message or "")
+        cls = _BY_KIND.get(payload["kind"], LoractlError)
+        return cls(str(payload["message"]), str(payload["hint"]))
+    except (ValueError, KeyError, TypeError):
+        if status in (Status.UNAVAILABLE,):
+            return DaemonNotRunning(f"the daemon is unavailable: {wire_message or status.name}")
+        if status is Status.CANCELLED:
+            return Cancelled(wire_message or "the request was cancelled")
+        return LoractlError(f"the daemon answered {status.name}: {wire_message or 'no message'}")
