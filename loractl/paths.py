@@ -8,6 +8,7 @@ socket with the same function, so a CLI finds the daemon it would have started.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,16 @@ def layout(home: str | os.PathLike[str] | None = None) -> Layout:
         home=None,
         data_dir=Path(platformdirs.user_data_dir(APP)),
         state_dir=Path(platformdirs.user_state_dir(APP)),
-        runtime_dir=Path(platformdirs.user_runtime_dir(APP)),
+        runtime_dir=_user_runtime_dir(),
     )
+
+
+def _user_runtime_dir() -> Path:
+    # Without XDG_RUNTIME_DIR (ssh sessions, containers) platformdirs warns and falls back to
+    # /tmp/runtime-UID, which is what we want; the warning would only clutter CLI output.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Path(platformdirs.user_runtime_dir(APP))
 
 
 def socket_path(explicit: str | os.PathLike[str] | None = None, home: str | None = None) -> Path:

@@ -88,9 +88,11 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     # One engine-core process that holds the worker, instead of core + worker processes:
     # faster start (7 s instead of 12-16 s on CPU), and one child to reap.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if device == "cpu":
+    if device == "cpu" and apply_cpu_fixes:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
     else:
+        os.environ.pop(cpu_fixes.ENV_FLAG, None)
+    if device != "cpu":
         # vLLM 0.26 defaults to the flashinfer sampler and fails without flashinfer.
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 

@@ -1,0 +1,166 @@
+"""Shared fixtures: the demo assets, a real loractld on the CPU, and an HF + PEFT reference.
+
+Paths are kept short on purpose: a Unix socket path must fit in 107 bytes, and pytest's own
+tmp_path can exceed that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from loractl import Client
+from loractl.errors import LoractlError
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
+
+
+@pytest.fixture(scope="session")
+def home() -> Path:
+    """A short-path LORACTL_HOME with the demo assets built in it."""
+    from loractld.demo import ensure_demo
+
+    from loractl import paths
+
+    root = Path(tempfile.mkdtemp(prefix="lct-", dir="/tmp"))
+    ensure_demo(paths.layout(root).demo_dir)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo(home: Path) -> Path:
+    return home / "demo"
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    home: Path
+    socket: Path
+    log: Path
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240) -> Daemon:
+    """Start ``loractld --model demo`` under ``home`` and wait until Status says ready."""
+    sock = home / f"{name}.sock"
+    log = home / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "loractld"), "--model", "demo", "--home", str(home), "--socket", str(sock),
+             *ENGINE_FLAGS, *extra],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    daemon = Daemon(proc, home, sock, log)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loractld exited with {proc.returncode}:\n{daemon.log_tail()}")
+        if sock.exists():
+            try:
+                if asyncio.run(_status(sock)).get("ready"):
+                    return daemon
+            except LoractlError:
+                pass
+        time.sleep(0.5)
+    daemon.stop()
+    raise RuntimeError(f"loractld not ready after {ready_timeout} s:\n{daemon.log_tail()}")
+
+
+async def _status(sock: Path) -> dict:
+    async with Client(sock, timeout=5) as client:
+        return await client.status()
+
+
+@pytest.fixture(scope="session")
+def daemon(home: Path) -> Daemon:
+    """One real daemon for the session: tiny model, CPU, float32, 2 device slots, 3 host."""
+    d = start_daemon(home)
+    yield d
+    d.stop()
+
+
+def run_cli(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 60):
+    """Run the installed ``loractl`` script; return the CompletedProcess (text mode)."""
+    full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", **(env or {})}
+    full_env.pop("LORACTL_SOCKET", None)
+    return subprocess.run([str(BIN / "loractl"), *args], capture_output=True, text=True, env=full_env,
+                          input=input, timeout=timeout)
+
+
+class Reference:
+    """Greedy completions from HF transformers + PEFT in float32: the independent oracle."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._cache: dict = {}
+
+    def chat_ids(self, user_text: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def greedy(self, prompt_ids: list[int], adapter: Path | None, max_new: int, min_new: int = 0) -> list[int]:
+        key = (tuple(prompt_ids), str(adapter), max_new, min_new)
+        if key not in self._cache:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            if adapter is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, str(adapter))
+            model.eval()
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, min_new_tokens=min_new,
+                                     do_sample=False, pad_token_id=self.tokenizer.pad_token_id)
+            self._cache[key] = out[0, len(prompt_ids):].tolist()
+        return self._cache[key]
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def reference(demo: Path) -> Reference:
+    return Reference(demo / "model")
+
+
+async def collect(client: Client, **kwargs) -> dict:
+    """Run one generation to the end; return prompt ids, token ids, text and finish reason."""
+    result = {"prompt_ids": [], "ids": [], "text": "", "finish": "", "adapter": ""}
+    async for chunk in client.generate(**kwargs):
+        result["prompt_ids"] += chunk.prompt_token_ids
+        result["ids"] += chunk.token_ids
+        result["text"] += chunk.text
+        result["finish"] = chunk.finish_reason or result["finish"]
+        result["adapter"] = chunk.adapter or result["adapter"]
+    return result
