@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from conftest import run_cli
 
@@ -18,15 +23,23 @@ def assert_one_error(result, code: int, *needles: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_daemon_not_running(tmp_path):
-    sock = f"/tmp/lct-nothing-{tmp_path.name[-8:]}.sock"
+@pytest.fixture
+def short_dir():
+    """A fresh short folder for sockets (pytest's tmp_path can exceed the 107-byte limit)."""
+    path = Path(tempfile.mkdtemp(prefix="lct-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_daemon_not_running(short_dir):
+    sock = str(short_dir / "none.sock")
     for args in (["status", "--socket", sock], ["run", "--socket", sock, "hello"]):
         result = run_cli(*args)
         assert_one_error(result, 3, "no loractl daemon is listening", "loractld --model demo")
 
 
-def test_stale_socket_reads_as_daemon_down(tmp_path):
-    path = f"/tmp/lct-stale-{tmp_path.name[-8:]}.sock"
+def test_stale_socket_reads_as_daemon_down(short_dir):
+    path = str(short_dir / "stale.sock")
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)  # a socket file nobody listens on, as a SIGKILLed daemon leaves behind
     stale.close()
