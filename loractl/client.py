@@ -160,3 +160,36 @@ class Client:
                         prompt_tokens=reply.usage.prompt_tokens,
                         completion_tokens=reply.usage.completion_tokens,
                     )
+
+    async def pull(self, ref: str, *, name: str | None = None, revision: str | None = None,
+                   force: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """Pull an adapter into the daemon's store; yield progress events as dicts.
+
+        ``ref`` is ``org/repo``, ``hf://org/repo[@rev][/subfolder]`` or a local folder (made
+        absolute here). The caller's ``HF_ENDPOINT`` and ``HF_TOKEN`` go along, so a daemon
+        started elsewhere (systemd) pulls with the user's credentials.
+        """
+        if os.path.isdir(ref) and not os.path.isabs(ref):
+            ref = str(Path(ref).absolute())
+        request = pb.PullRequest(ref=ref, name=name or "", revision=revision or "", force=force,
+                                 hf_endpoint=os.environ.get("HF_ENDPOINT", ""), hf_token=os.environ.get("HF_TOKEN", ""))
+        async with self._errors():
+            async with self.stub.Pull.open(timeout=self.timeout) as stream:
+                await stream.send_message(request, end=True)
+                async for event in stream:
+                    yield to_dict(event)
+
+    async def list(self) -> list[dict[str, Any]]:
+        """The adapters in the store."""
+        async with self._errors():
+            reply = await self.stub.List(pb.ListRequest(), timeout=self.timeout)
+        return [to_dict(a) for a in reply.adapters]
+
+    async def show(self, name: str) -> dict[str, Any]:
+        async with self._errors():
+            return to_dict(await self.stub.Show(pb.ShowRequest(name=name), timeout=self.timeout))
+
+    async def remove(self, name: str, *, force: bool = False) -> dict[str, Any]:
+        """Delete an adapter from disk, unloading it from the engine first."""
+        async with self._errors():
+            return to_dict(await self.stub.Remove(pb.RemoveRequest(name=name, force=force), timeout=self.timeout))

@@ -2,8 +2,8 @@
 
 vLLM keys prefix-cache blocks by the ``LoRARequest``'s name (0.26) or name and path (0.32),
 treats requests with equal names as one adapter, and needs an integer id unique per adapter.
-So the name and id loractl gives vLLM are derived from the adapter's *content* (sha256 of its
-config and weights):
+So the name and id loractl gives vLLM are derived from the adapter's *content* (sha256 over
+its files' sha256 digests):
 
 - the same content gets the same name and id, in every run of the daemon;
 - changed content (a new revision under the same user-facing name) gets a new name and id,
@@ -15,28 +15,26 @@ Python's ``hash()`` is salted per process and is never used for this.
 from __future__ import annotations
 
 import hashlib
-import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loractl.errors import AdapterNotFound, InvalidAdapter
+from loractl.errors import AdapterNotFound, LoractlError
+from loractld.store import Store, files_digest
+from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_ID_BITS = 31  # vLLM stores ids in int32 tensors on some paths; keep them positive int32
+_ID_MASK = (1 << 31) - 1  # vLLM keeps ids in int32 tensors on some paths: stay positive int32
 
 
 @dataclass(frozen=True)
 class AdapterRef:
     """A resolved adapter: where it is, what it is, and its content-derived engine identity."""
 
-    label: str          # what the user called it
+    label: str          # what the user called it: a store name or a folder
     path: Path
-    digest: str         # sha256 over config and weights
-    rank: int
-    alpha: float
-    target_modules: tuple[str, ...]
-    base_model: str | None
+    digest: str
+    facts: AdapterFacts
     engine_id: int
 
     @property
@@ -44,98 +42,71 @@ class AdapterRef:
         return f"{self.label}@{self.digest[:16]}"
 
 
-def content_digest(folder: Path) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        h.update(name.encode() + b"\0")
-        with open(folder / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
     return h.hexdigest()
 
 
 class AdapterResolver:
-    """Turns a local adapter folder into an :class:`AdapterRef`, caching digests by file stat.
+    """Turns a store name or an absolute folder into a validated :class:`AdapterRef`.
 
     Invariant: two different digests never share an ``engine_id`` within this process; the id
-    is the digest's leading bits unless that is taken, so it is stable across restarts too.
+    is the digest's leading bits unless those are taken, so it is stable across restarts too.
+    Validation results are cached by digest, so a request pays for hashing and validation
+    once per content, not once per request.
     """
 
-    def __init__(self, max_lora_rank: int) -> None:
-        self.max_lora_rank = max_lora_rank
-        self._digests: dict[tuple, str] = {}
+    def __init__(self, store: Store, validate: Callable[[Path, bool], AdapterFacts]) -> None:
+        self.store = store
+        self.validate = validate
+        self._folder_digests: dict[tuple, str] = {}
+        self._facts: dict[str, AdapterFacts | LoractlError] = {}
         self._ids: dict[str, int] = {}
-        self._taken: dict[int, str] = {}
+        self._taken: set[int] = set()
 
-    def resolve_path(self, raw: str) -> AdapterRef:
-        path = Path(raw)
-        if not path.is_absolute():
-            raise AdapterNotFound(
-                f"adapter {raw!r} is not an absolute path",
-                "Pass the folder's path, e.g. loractl run --lora ./my-adapter (the CLI makes it absolute).",
-            )
-        if not path.is_dir():
-            raise AdapterNotFound(f"no adapter folder at {path}")
-        missing = [n for n in (CONFIG_FILE, WEIGHTS_FILE) if not (path / n).is_file()]
-        if missing:
-            hint = (
-                "Only safetensors weights are loaded; convert adapter_model.bin with safetensors."
-                if WEIGHTS_FILE in missing and (path / "adapter_model.bin").exists()
-                else None
-            )
-            raise InvalidAdapter(f"{path} is not a PEFT LoRA adapter: missing {', '.join(missing)}", hint)
-        try:
-            config = json.loads((path / CONFIG_FILE).read_text())
-            if not isinstance(config, dict):
-                raise ValueError("not a JSON object")
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidAdapter(f"{path / CONFIG_FILE} is not valid JSON: {e}") from e
-        peft_type = str(config.get("peft_type", "LORA")).upper()
-        if peft_type != "LORA":
-            raise InvalidAdapter(f"{path} is a {peft_type} adapter, not LoRA", "Only PEFT LoRA adapters are supported.")
-        rank = config.get("r")
-        if not isinstance(rank, int) or rank < 1:
-            raise InvalidAdapter(f"{path / CONFIG_FILE} has no valid rank 'r' ({rank!r})")
-        if rank > self.max_lora_rank:
-            raise InvalidAdapter(
-                f"adapter rank {rank} is above the daemon's max LoRA rank {self.max_lora_rank}",
-                f"Restart the daemon with --max-lora-rank {_next_supported_rank(rank)}.",
-            )
-        digest = self._digest(path)
-        targets = config.get("target_modules") or ()
-        return AdapterRef(
-            label=path.name if path.parent.name in ("", "/") else f"{path.parent.name}/{path.name}",
-            path=path,
-            digest=digest,
-            rank=rank,
-            alpha=float(config.get("lora_alpha", rank)),
-            target_modules=tuple(targets) if isinstance(targets, list) else (str(targets),),
-            base_model=config.get("base_model_name_or_path"),
-            engine_id=self._id_for(digest),
-        )
+    def resolve(self, lora: str) -> AdapterRef:
+        if os.path.isabs(lora):
+            path = Path(lora)
+            if not path.is_dir():
+                raise AdapterNotFound(f"no adapter folder at {path}")
+            digest = self._folder_digest(path)
+            label = path.name
+        else:
+            stored = self.store.get(lora)
+            path = stored.path
+            digest = files_digest(stored.manifest["files"])
+            label = lora
+        facts = self._facts_for(digest, path)
+        return AdapterRef(label=label, path=path, digest=digest, facts=facts, engine_id=self.id_for(digest))
 
-    def _digest(self, path: Path) -> str:
-        stats = tuple(
-            (s.st_ino, s.st_size, s.st_mtime_ns) for s in ((path / n).stat() for n in (CONFIG_FILE, WEIGHTS_FILE))
-        )
-        key = (str(path), stats)
-        if key not in self._digests:
-            self._digests[key] = content_digest(path)
-        return self._digests[key]
+    def _facts_for(self, digest: str, path: Path) -> AdapterFacts:
+        if digest not in self._facts:
+            try:
+                self._facts[digest] = self.validate(path, False)
+            except LoractlError as e:
+                self._facts[digest] = e
+        result = self._facts[digest]
+        if isinstance(result, LoractlError):
+            raise result
+        return result
 
-    def _id_for(self, digest: str) -> int:
-        if digest in self._ids:
-            return self._ids[digest]
-        candidate = int(digest[:8], 16) & ((1 << _ID_BITS) - 1) or 1
-        while candidate in self._taken:
-            candidate = candidate % ((1 << _ID_BITS) - 1) + 1
-        self._ids[digest] = candidate
-        self._taken[candidate] = digest
-        return candidate
+    def _folder_digest(self, path: Path) -> str:
+        files = [path / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (path / n).is_file()]
+        key = (str(path), tuple((f.name, f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        if key not in self._folder_digests:
+            if len(files) < 2:
+                self.validate(path, False)  # raises the precise reason (missing config, pickle only, ...)
+            self._folder_digests[key] = files_digest([{"name": f.name, "sha256": _sha256(f)} for f in files])
+        return self._folder_digests[key]
 
-
-def _next_supported_rank(rank: int) -> int:
-    for supported in (8, 16, 32, 64, 128, 256, 320, 512):
-        if supported >= rank:
-            return supported
-    return rank
+    def id_for(self, digest: str) -> int:
+        if digest not in self._ids:
+            candidate = int(digest[:8], 16) & _ID_MASK or 1
+            while candidate in self._taken:
+                candidate = candidate % _ID_MASK + 1
+            self._ids[digest] = candidate
+            self._taken.add(candidate)
+        return self._ids[digest]

@@ -222,6 +222,10 @@ class Engine:
                 raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
             raise
 
+    async def remove_adapter(self, engine_id: int) -> bool:
+        """Drop an adapter from host and device; False if the engine did not hold it."""
+        return bool(await self._llm.remove_lora(engine_id))
+
     @property
     def errored(self) -> bool:
         return bool(getattr(self._llm, "errored", False))

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences per batch (default: 16)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache size, e.g. 256MiB (default on CPU: 256MiB; on CUDA vLLM sizes it)")
+    p.add_argument("--max-adapter-size", type=parse_size, default=4 << 30,
+                   help="refuse adapter weight files larger than this (default: 4GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable vLLM's prefix cache")
     p.add_argument("--no-cpu-fixes", action="store_true",
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
@@ -84,7 +86,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
     )
-    return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace)
+    return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
+                          max_adapter_bytes=args.max_adapter_size)
 
 
 def main(argv: list[str] | None = None) -> None:

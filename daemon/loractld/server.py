@@ -22,8 +22,13 @@ from grpclib.server import Server
 from loractl import paths
 from loractl.errors import LoractlError
 from loractld.adapters import AdapterResolver
+from loractld.basemodel import describe
 from loractld.engine import Engine, EngineSettings
-from loractld.service import LoractlService
+from loractld.pulls import Puller
+from loractld.service import Catalog, LoractlService
+from loractld.sources import load_sources
+from loractld.store import Store
+from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
 _log = logging.getLogger("loractld")
 
@@ -34,6 +39,7 @@ class DaemonSettings:
     home: str | None = None
     socket: str | None = None
     shutdown_grace_s: float = 10.0
+    max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
 
 
 class SocketInUse(LoractlError):
@@ -73,6 +79,25 @@ def resolve_model(model: str, home: str | None) -> str:
     return str(ensure_demo(root) / "model")
 
 
+def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catalog:
+    """The disk side: the store (recovered from any interrupted pull), validation, pulls."""
+    base = describe(settings.engine.model, model)
+    store = Store(store_dir)
+    for leftover in store.recover():
+        _log.info("removed a leftover of an interrupted pull: %s", leftover)
+
+    def validate(folder: Path, force: bool):
+        return validate_adapter(folder, max_lora_rank=settings.engine.max_lora_rank, base_shapes=base.shapes,
+                                model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes)
+
+    catalog = Catalog(store=store, resolver=AdapterResolver(store, validate),
+                      puller=Puller(store, load_sources(), validate), base_model=base)
+    adapters = store.list()
+    _log.info("store %s: %d adapter(s); base model %s (shapes %s)", store_dir, len(adapters), model,
+              "known" if base.shapes else "unknown")
+    return catalog
+
+
 async def serve(settings: DaemonSettings) -> int:
     loop = asyncio.get_running_loop()
     layout = paths.layout(settings.home)
@@ -83,11 +108,7 @@ async def serve(settings: DaemonSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    service = LoractlService(
-        socket_path=str(sock_path),
-        home=str(layout.home or layout.data_dir),
-        resolver=AdapterResolver(settings.engine.max_lora_rank),
-    )
+    service = LoractlService(socket_path=str(sock_path), home=str(layout.home or layout.data_dir))
     server = Server([service])
     old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
     try:
@@ -98,6 +119,7 @@ async def serve(settings: DaemonSettings) -> int:
 
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
+        service.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
         return await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
 
     engine: Engine | None = None
@@ -112,7 +134,7 @@ async def serve(settings: DaemonSettings) -> int:
             engine = await engine_task
         except LoractlError as e:
             _log.error("%s (hint: %s)", e.message, e.hint)
-            service.set_engine_failed(e)
+            service.set_failed(e)
             exit_code = 1
         else:
             service.set_engine(engine)

@@ -1,32 +1,38 @@
-"""The gRPC servicer: thin. It maps RPCs to the engine and domain errors to status codes.
+"""The gRPC servicer: thin. It maps RPCs to the store, the puller and the engine, and domain
+errors to status codes.
 
 Invariants:
 - Every domain error leaves as a gRPC status whose message carries kind, message and hint
   (``loractl.errors.to_wire``); anything else is logged with its traceback and leaves as
   INTERNAL with a one-line message, never as a bare traceback.
-- While draining (shutdown), new generations are refused; generations still running when
-  the grace period ends are cancelled with a CANCELLED status, never left hanging.
+- While draining (shutdown), new work is refused; generations still running when the grace
+  period ends are cancelled with a CANCELLED status, never left hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpclib.exceptions import GRPCError
 
 from loractl import __version__
-from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError, to_wire
+from loractl.errors import Cancelled, EngineUnavailable, InvalidRequest, LoractlError, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
 
 if TYPE_CHECKING:
     from loractld.adapters import AdapterRef, AdapterResolver
+    from loractld.basemodel import BaseModel
     from loractld.engine import Engine
+    from loractld.pulls import Puller
+    from loractld.store import Store, StoredAdapter
 
 _log = logging.getLogger("loractld.service")
 ROLES = ("system", "user", "assistant")
@@ -51,29 +57,46 @@ def domain_errors(handler):
     return wrapper
 
 
+@dataclass
+class Catalog:
+    """The disk side, available once the base model is known (before the engine is up)."""
+
+    store: Store
+    resolver: AdapterResolver
+    puller: Puller
+    base_model: BaseModel
+
+
 class LoractlService(LoractlBase):
-    def __init__(self, *, socket_path: str, home: str, resolver: AdapterResolver) -> None:
+    def __init__(self, *, socket_path: str, home: str) -> None:
         self.socket_path = socket_path
         self.home = home
-        self.resolver = resolver
+        self.catalog: Catalog | None = None
+        self.catalog_ready = asyncio.Event()
         self.engine: Engine | None = None
         self.engine_ready = asyncio.Event()
-        self.engine_failed: LoractlError | None = None
+        self.startup_error: LoractlError | None = None
         self.started = time.monotonic()
         self.draining = False
         self._inflight: set[asyncio.Task] = set()
+        self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
 
     # -- lifecycle, driven by loractld.server ------------------------------------------
+    def set_catalog(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.catalog_ready.set()
+
     def set_engine(self, engine: Engine) -> None:
         self.engine = engine
         self.engine_ready.set()
 
-    def set_engine_failed(self, error: LoractlError) -> None:
-        self.engine_failed = error
+    def set_failed(self, error: LoractlError) -> None:
+        self.startup_error = error
+        self.catalog_ready.set()
         self.engine_ready.set()
 
     async def drain(self, grace_seconds: float) -> int:
-        """Refuse new generations, wait up to ``grace_seconds``, cancel the rest; return how many."""
+        """Refuse new work, wait up to ``grace_seconds``, cancel the rest; return how many."""
         self.draining = True
         if self._inflight:
             await asyncio.wait(set(self._inflight), timeout=grace_seconds)
@@ -84,24 +107,37 @@ class LoractlService(LoractlBase):
             await asyncio.wait(leftover, timeout=5)
         return len(leftover)
 
-    async def _wait_engine(self) -> Engine:
+    async def _ready(self, event: asyncio.Event):
         if self.draining:
             raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
-        await self.engine_ready.wait()
-        if self.engine_failed is not None:
-            raise self.engine_failed
+        await event.wait()
+        if self.startup_error is not None:
+            raise self.startup_error
+
+    async def _wait_engine(self) -> Engine:
+        await self._ready(self.engine_ready)
         assert self.engine is not None
         return self.engine
 
-    def _resolve_adapter(self, lora: str) -> AdapterRef | None:
-        if not lora:
-            return None
-        if os.path.isabs(lora):
-            return self.resolver.resolve_path(lora)
-        raise AdapterNotFound(
-            f"unknown adapter {lora!r}",
-            "Pass an adapter folder's path (named adapters arrive with `loractl pull`).",
-        )
+    async def _wait_catalog(self) -> Catalog:
+        await self._ready(self.catalog_ready)
+        assert self.catalog is not None
+        return self.catalog
+
+    async def _tracked(self, stream, body, cancel_message: str) -> None:
+        """Run ``body`` as in-flight work: drained on shutdown, cancelled with a clear status."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            await body()
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise  # the client went away
+            error = Cancelled(cancel_message, "Start the daemon again and rerun the command.")
+            await stream.send_trailing_metadata(status=error.grpc_status, status_message=to_wire(error))
+        finally:
+            self._inflight.discard(task)
 
     # -- RPCs --------------------------------------------------------------------------
     @domain_errors
@@ -131,22 +167,21 @@ class LoractlService(LoractlBase):
     @domain_errors
     async def Generate(self, stream) -> None:
         request: pb.GenerateRequest = await stream.recv_message()
-        task = asyncio.current_task()
-        assert task is not None
         engine = await self._wait_engine()
-        self._inflight.add(task)
+        catalog = await self._wait_catalog()
+        adapter = catalog.resolver.resolve(request.lora) if request.lora else None
+        name = request.lora if adapter and not os.path.isabs(request.lora) else None
+        if name:
+            self._serving[name] += 1
         try:
-            await self._generate(engine, request, stream)
-        except asyncio.CancelledError:
-            if not self.draining:
-                raise  # the client went away: vLLM aborts the request as the generator closes
-            error = Cancelled("the daemon is shutting down; the generation was stopped",
-                              "Start the daemon again and rerun the request.")
-            await stream.send_trailing_metadata(status=error.grpc_status, status_message=to_wire(error))
+            await self._tracked(stream, lambda: self._generate(engine, request, adapter, stream),
+                                "the daemon is shutting down; the generation was stopped")
         finally:
-            self._inflight.discard(task)
+            if name:
+                self._serving[name] -= 1
 
-    async def _generate(self, engine: Engine, request: pb.GenerateRequest, stream) -> None:
+    async def _generate(self, engine: Engine, request: pb.GenerateRequest, adapter: AdapterRef | None,
+                        stream) -> None:
         from loractld.engine import Sampling
 
         if bool(request.prompt) == bool(request.messages):
@@ -154,7 +189,6 @@ class LoractlService(LoractlBase):
         for m in request.messages:
             if m.role not in ROLES:
                 raise InvalidRequest(f"unknown chat role {m.role!r}", f"Use one of: {', '.join(ROLES)}.")
-        adapter = self._resolve_adapter(request.lora)
         sampling = _sampling_from(request.sampling, Sampling())
         if request.messages:
             prompt_ids = engine.render_chat([{"role": m.role, "content": m.content} for m in request.messages])
@@ -172,6 +206,79 @@ class LoractlService(LoractlBase):
                 reply.usage.prompt_tokens = len(prompt_ids)
                 reply.usage.completion_tokens = produced
             await stream.send_message(reply)
+
+    @domain_errors
+    async def Pull(self, stream) -> None:
+        request: pb.PullRequest = await stream.recv_message()
+        catalog = await self._wait_catalog()
+        if not request.ref:
+            raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
+
+        async def body() -> None:
+            async for event in catalog.puller.pull(
+                request.ref, name=request.name, revision=request.revision, force=request.force,
+                token=request.hf_token or None, endpoint=request.hf_endpoint or None,
+            ):
+                reply = pb.PullProgress(stage=event.stage, file=event.file, done_bytes=event.done,
+                                        total_bytes=event.total, message=event.message)
+                if event.adapter is not None:
+                    reply.adapter.CopyFrom(adapter_message(event.adapter))
+                    _log.info("pull %s: %s", event.stage, event.message)
+                await stream.send_message(reply)
+
+        await self._tracked(stream, body, "the daemon is shutting down; the pull was stopped (nothing was installed)")
+
+    @domain_errors
+    async def List(self, stream) -> None:
+        await stream.recv_message()
+        catalog = await self._wait_catalog()
+        adapters = await asyncio.to_thread(catalog.store.list)
+        await stream.send_message(pb.ListReply(adapters=[self._described(catalog, a) for a in adapters]))
+
+    @domain_errors
+    async def Show(self, stream) -> None:
+        request: pb.ShowRequest = await stream.recv_message()
+        catalog = await self._wait_catalog()
+        adapter = await asyncio.to_thread(catalog.store.get, request.name)
+        await stream.send_message(self._described(catalog, adapter))
+
+    @domain_errors
+    async def Remove(self, stream) -> None:
+        request: pb.RemoveRequest = await stream.recv_message()
+        catalog = await self._wait_catalog()
+        stored = catalog.store.get(request.name)
+        if self._serving[request.name] > 0:
+            raise InvalidRequest(f"{request.name!r} is serving {self._serving[request.name]} request(s)",
+                                 "Wait for them to finish, then remove it.")
+        unloaded = False
+        if self.engine is not None:
+            from loractld.store import files_digest
+
+            unloaded = await self.engine.remove_adapter(catalog.resolver.id_for(files_digest(stored.manifest["files"])))
+        removed = await asyncio.to_thread(catalog.store.remove, request.name)
+        _log.info("removed %s (%s)", request.name, removed.path)
+        await stream.send_message(pb.RemoveReply(adapter=adapter_message(removed), unloaded=unloaded))
+
+    def _described(self, catalog: Catalog, adapter: StoredAdapter) -> pb.Adapter:
+        message = adapter_message(adapter)
+        try:
+            catalog.resolver.resolve(adapter.name)
+        except LoractlError as e:
+            message.state, message.error = "failed", f"{e.message} ({e.hint})"
+        return message
+
+
+def adapter_message(adapter: StoredAdapter) -> pb.Adapter:
+    m = adapter.manifest
+    targets = m.get("target_modules") or []
+    return pb.Adapter(
+        name=adapter.name, source=m.get("source", ""), ref=m.get("ref", ""), revision=m.get("revision", ""),
+        base_model=m.get("base_model") or "", rank=int(m.get("rank") or 0), alpha=float(m.get("alpha") or 0),
+        target_modules=targets if isinstance(targets, list) else [str(targets)],
+        size_bytes=adapter.size_bytes, pulled_at=float(m.get("pulled_at") or 0),
+        files=[pb.FileRecord(name=f["name"], size=f["size"], sha256=f["sha256"]) for f in m.get("files", [])],
+        path=str(adapter.path), hand_placed=adapter.hand_placed, state="on_disk",
+    )
 
 
 def _sampling_from(params: pb.SamplingParams, defaults):

@@ -12,7 +12,7 @@ from loractl.client import Client
 
 LoraOpt = Annotated[
     str | None,
-    typer.Option("--lora", "-l", help="Adapter to answer with: a PEFT adapter folder. Default: the base model."),
+    typer.Option("--lora", "-l", help="Adapter to answer with: a store name (loractl ls) or a PEFT folder. Default: the base model."),
 ]
 
 

@@ -22,6 +22,22 @@ class LoractlBase(abc.ABC):
     async def Generate(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.GenerateRequest, loractl.v1.loractl_pb2.GenerateReply]') -> None:
         pass
 
+    @abc.abstractmethod
+    async def Pull(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.PullRequest, loractl.v1.loractl_pb2.PullProgress]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def List(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.ListRequest, loractl.v1.loractl_pb2.ListReply]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Show(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.ShowRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Remove(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.RemoveRequest, loractl.v1.loractl_pb2.RemoveReply]') -> None:
+        pass
+
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
         return {
             '/loractl.v1.Loractl/Status': grpclib.const.Handler(
@@ -35,6 +51,30 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 loractl.v1.loractl_pb2.GenerateRequest,
                 loractl.v1.loractl_pb2.GenerateReply,
+            ),
+            '/loractl.v1.Loractl/Pull': grpclib.const.Handler(
+                self.Pull,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                loractl.v1.loractl_pb2.PullRequest,
+                loractl.v1.loractl_pb2.PullProgress,
+            ),
+            '/loractl.v1.Loractl/List': grpclib.const.Handler(
+                self.List,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.ListRequest,
+                loractl.v1.loractl_pb2.ListReply,
+            ),
+            '/loractl.v1.Loractl/Show': grpclib.const.Handler(
+                self.Show,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.ShowRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Remove': grpclib.const.Handler(
+                self.Remove,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.RemoveRequest,
+                loractl.v1.loractl_pb2.RemoveReply,
             ),
         }
 
@@ -53,4 +93,28 @@ class LoractlStub:
             '/loractl.v1.Loractl/Generate',
             loractl.v1.loractl_pb2.GenerateRequest,
             loractl.v1.loractl_pb2.GenerateReply,
+        )
+        self.Pull = grpclib.client.UnaryStreamMethod(
+            channel,
+            '/loractl.v1.Loractl/Pull',
+            loractl.v1.loractl_pb2.PullRequest,
+            loractl.v1.loractl_pb2.PullProgress,
+        )
+        self.List = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/List',
+            loractl.v1.loractl_pb2.ListRequest,
+            loractl.v1.loractl_pb2.ListReply,
+        )
+        self.Show = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Show',
+            loractl.v1.loractl_pb2.ShowRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Remove = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Remove',
+            loractl.v1.loractl_pb2.RemoveRequest,
+            loractl.v1.loractl_pb2.RemoveReply,
         )

@@ -113,3 +113,111 @@ class GenerateReply(_message.Message):
     usage: Usage
     adapter: str
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("ref", "name", "revision", "force", "hf_endpoint", "hf_token")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    HF_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HF_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    name: str
+    revision: str
+    force: bool
+    hf_endpoint: str
+    hf_token: str
+    def __init__(self, ref: _Optional[str] = ..., name: _Optional[str] = ..., revision: _Optional[str] = ..., force: _Optional[bool] = ..., hf_endpoint: _Optional[str] = ..., hf_token: _Optional[str] = ...) -> None: ...
+
+class PullProgress(_message.Message):
+    __slots__ = ("stage", "file", "done_bytes", "total_bytes", "message", "adapter")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    file: str
+    done_bytes: int
+    total_bytes: int
+    message: str
+    adapter: Adapter
+    def __init__(self, stage: _Optional[str] = ..., file: _Optional[str] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., message: _Optional[str] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class FileRecord(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLED_AT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HAND_PLACED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    ref: str
+    revision: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    size_bytes: int
+    pulled_at: float
+    files: _containers.RepeatedCompositeFieldContainer[FileRecord]
+    path: str
+    hand_placed: bool
+    state: str
+    error: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class ShowRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RemoveReply(_message.Message):
+    __slots__ = ("adapter", "unloaded")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    adapter: Adapter
+    unloaded: bool
+    def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ..., unloaded: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,144 @@
+"""Pulling adapters: resolve, download, verify, validate, install — streamed as events.
+
+Invariants:
+- One pull per adapter name at a time (a per-name lock): a second client pulling the same
+  name waits, then finds it up to date instead of racing the first.
+- Everything between resolve and install runs in a worker thread against a staging folder
+  inside the store; the staging folder is removed on any failure or cancellation, and only
+  ``Store.install`` (atomic) makes the adapter visible.
+- Checksums are verified against what the source reported (sha256 for LFS files, the git
+  blob id for small files, sha256 for local copies) before validation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loractl.errors import InvalidAdapter
+from loractl.names import validate_name
+from loractld.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
+from loractld.store import StoredAdapter, Store
+from loractld.validate import AdapterFacts
+
+_log = logging.getLogger("loractld.pulls")
+PROGRESS_INTERVAL_S = 0.1
+
+# validate(folder, force) -> facts; raises InvalidAdapter
+Validator = Callable[[Path, bool], AdapterFacts]
+
+
+@dataclass
+class PullEvent:
+    stage: str                  # resolving, downloading, verifying, installing, done, up_to_date
+    file: str = ""
+    done: int = 0
+    total: int = 0
+    message: str = ""
+    adapter: StoredAdapter | None = None
+
+
+class Puller:
+    def __init__(self, store: Store, sources: list[AdapterSource], validate: Validator) -> None:
+        self.store = store
+        self.sources = sources
+        self.validate = validate
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
+                   token: str | None = None, endpoint: str | None = None) -> AsyncIterator[PullEvent]:
+        if name:
+            validate_name(name)
+        source = pick_source(self.sources, ref)
+        yield PullEvent("resolving", message=f"resolving {ref}")
+        resolved = await asyncio.to_thread(source.resolve, ref, revision or None, token=token, endpoint=endpoint)
+        name = name or resolved.default_name
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            current = self._current(name)
+            if current and current.manifest.get("ref") == resolved.ref and \
+                    current.manifest.get("revision") == resolved.revision:
+                yield PullEvent("up_to_date", message=f"{name} is up to date at {resolved.revision[:12]}",
+                                adapter=current)
+                return
+            self.store.check_free_space(resolved.total_bytes)
+            async for event in self._run(source, resolved, name, force, token, endpoint):
+                yield event
+
+    def _current(self, name: str) -> StoredAdapter | None:
+        try:
+            return self.store.get(name)
+        except Exception:
+            return None
+
+    async def _run(self, source, resolved: Resolved, name: str, force: bool, token, endpoint):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        last_sent: dict[str, float] = {}
+
+        def emit(event: PullEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        def progress(file: str, done: int, total: int) -> None:
+            now = time.monotonic()
+            if done >= total or now - last_sent.get(file, 0) >= PROGRESS_INTERVAL_S:
+                last_sent[file] = now
+                emit(PullEvent("downloading", file=file, done=done, total=total))
+
+        def work() -> StoredAdapter:
+            with self.store.staging() as staged:
+                for f in resolved.files:
+                    emit(PullEvent("downloading", file=f.name, done=0, total=f.size))
+                source.download_to_disk(resolved, staged, progress, cancel, token=token, endpoint=endpoint)
+                emit(PullEvent("verifying", message="verifying sha256 digests"))
+                records = verify_files(staged, resolved)
+                facts = self.validate(staged, force)
+                if cancel.is_set():
+                    raise PullCancelled("the pull was cancelled")
+                emit(PullEvent("installing", message=f"installing {name}"))
+                manifest = {
+                    "name": name, "source": resolved.source, "ref": resolved.ref, "revision": resolved.revision,
+                    "files": records, "pulled_at": time.time(), "base_model": facts.base_model, "rank": facts.rank,
+                    "alpha": facts.alpha, "target_modules": facts.target_modules,
+                }
+                return self.store.install(name, staged, manifest)
+
+        future = loop.run_in_executor(None, work)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+            adapter = await future
+        except (asyncio.CancelledError, GeneratorExit):
+            cancel.set()  # the client went away: stop the download, keep holding the lock until it has
+            with contextlib.suppress(BaseException):
+                await asyncio.wait([future])
+            raise
+        yield PullEvent("done", message=f"pulled {name} at {resolved.revision[:12]}", adapter=adapter)
+
+
+def verify_files(folder: Path, resolved: Resolved) -> list[dict]:
+    """Check every downloaded file's size and checksum against the source's listing."""
+    records = []
+    for f in resolved.files:
+        path = folder / f.name
+        size = path.stat().st_size if path.exists() else -1
+        if size != f.size:
+            raise InvalidAdapter(f"{f.name} has {size} bytes, the source listed {f.size}",
+                                 "The download was damaged: pull again.")
+        digest = sha256_file(path)
+        if f.sha256 and digest != f.sha256:
+            raise InvalidAdapter(f"{f.name}: sha256 {digest[:12]}… does not match the source's {f.sha256[:12]}…",
+                                 "The download was damaged or the source changed: pull again.")
+        if f.git_sha1 and git_blob_sha1(path) != f.git_sha1:
+            raise InvalidAdapter(f"{f.name}: content does not match the source's blob id {f.git_sha1[:12]}…",
+                                 "The download was damaged or the source changed: pull again.")
+        records.append({"name": f.name, "size": size, "sha256": digest})
+    return records

@@ -1,0 +1,156 @@
+"""The disk tier: ``loractl pull``, ``ls``, ``show``, ``rm``."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from loractl.cli._common import (HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, short_revision, stderr,
+                                 stdout, with_client)
+from loractl.client import Client
+
+NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).")]
+
+
+def pull(
+    ref: Annotated[str, typer.Argument(help="org/repo, hf://org/repo[@rev][/subfolder], or a local folder.")],
+    name: Annotated[str | None, typer.Option("--name", help="Store name (default: derived from REF).")] = None,
+    revision: Annotated[str | None, typer.Option("--revision", "-r", help="Branch, tag or commit (Hub).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Install even if it names another base model.")] = False,
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Download an adapter into the store, verify it and install it atomically.
+
+    Honours HF_ENDPOINT and HF_TOKEN. Pulling a name again at the same revision is a no-op;
+    a new revision replaces the old one atomically.
+
+    Examples:
+
+        loractl pull org/sql-lora --name sql-expert/v1
+
+        loractl pull hf://org/adapters@v2/sql --name sql-expert/v2
+
+        loractl pull ./my-adapter --name mine/v1
+    """
+
+    async def body(client: Client) -> dict[str, Any]:
+        final: dict[str, Any] = {}
+        tasks: dict[str, TaskID] = {}
+        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=stderr, transient=False, disable=json_output) as bars:
+            async for event in client.pull(ref, name=name, revision=revision, force=force):
+                stage = event["stage"]
+                if stage == "downloading":
+                    file = event["file"]
+                    if file not in tasks:
+                        tasks[file] = bars.add_task(file, total=int(event["total_bytes"]) or None)
+                    bars.update(tasks[file], completed=int(event["done_bytes"]))
+                elif stage in ("done", "up_to_date"):
+                    final = event
+                elif not json_output:
+                    bars.console.print(event["message"])
+        return final
+
+    final = with_client(socket, home, body)
+    if json_output:
+        print_json(final)
+    else:
+        adapter = final.get("adapter", {})
+        verb = "up to date" if final.get("stage") == "up_to_date" else "success"
+        stdout.print(f"{verb}: {adapter.get('name')} ({short_revision(adapter.get('revision', ''))}, "
+                     f"{human_bytes(int(adapter.get('size_bytes', 0)))}, rank {adapter.get('rank')})")
+
+
+def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """List the adapters in the store.
+
+    Examples:
+
+        loractl ls
+
+        loractl ls --json | jq -r '.[].name'
+    """
+    adapters = with_client(socket, home, lambda client: client.list())
+    if json_output:
+        print_json(adapters)
+        return
+    if not adapters:
+        stderr.print("no adapters yet: loractl pull ORG/REPO")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "SIZE", "RANK", "REVISION", "SOURCE", "STATE"):
+        table.add_column(column, overflow="fold" if column == "NAME" else "ellipsis", no_wrap=column != "NAME")
+    for a in adapters:
+        state = a["state"] if a["state"] != "failed" else "[red]failed[/]"
+        table.add_row(a["name"], human_bytes(int(a["size_bytes"])), str(a["rank"]), short_revision(a["revision"]),
+                      _short_ref(a), state)
+    stdout.print(table)
+
+
+def _short_ref(adapter: dict[str, Any]) -> str:
+    ref = adapter["ref"].removeprefix("hf://")
+    return ref if len(ref) <= 24 else "…" + ref[-23:]
+
+
+def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Show one adapter: source, revision, base model, rank, files and checksums.
+
+    Examples:
+
+        loractl show sql-expert/v1
+
+        loractl show sql-expert/v1 --json
+    """
+    a = with_client(socket, home, lambda client: client.show(name))
+    if json_output:
+        print_json(a)
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
+    rows = [
+        ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
+        ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
+        ("revision", a["revision"]), ("base model", a["base_model"] or "-"),
+        ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
+        ("size", human_bytes(int(a["size_bytes"]))), ("pulled", pulled), ("path", a["path"]),
+    ]
+    for f in a["files"]:
+        rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
+    for key, value in rows:
+        table.add_row(key, value)
+    stdout.print(table)
+
+
+def rm(
+    name: NameArg,
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+    json_output: JsonOpt = False,
+) -> None:
+    """Delete an adapter from disk (unloading it from the engine first).
+
+    Examples:
+
+        loractl rm sql-expert/v1
+    """
+    reply = with_client(socket, home, lambda client: client.remove(name))
+    if json_output:
+        print_json(reply)
+    else:
+        stdout.print(f"deleted {reply['adapter']['name']}" + (" (unloaded from the engine)" if reply["unloaded"] else ""))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pull")(pull)
+    app.command("ls")(ls)
+    app.command("show")(show)
+    app.command("rm")(rm)
