@@ -9,6 +9,7 @@ them to gRPC status codes; the client maps the status back to the same class, so
 from __future__ import annotations
 
 import json
+import re
 from typing import ClassVar
 
 from grpclib.const import Status
@@ -23,9 +24,11 @@ class LoractlError(Exception):
     default_hint: ClassVar[str] = "Run with LORACTL_DEBUG=1 for details, and check the daemon's log."
 
     def __init__(self, message: str, hint: str | None = None) -> None:
+        # One line each, whatever a wrapped library's exception text looked like.
+        message = _one_line(message)
         super().__init__(message)
         self.message = message
-        self.hint = hint if hint is not None else self.default_hint
+        self.hint = _one_line(hint if hint is not None else self.default_hint)
 
     def __str__(self) -> str:
         return self.message
@@ -73,10 +76,28 @@ class Cancelled(LoractlError):
     default_hint = "The request was cancelled (daemon shutting down or client gone); run it again."
 
 
+class SourceUnavailable(LoractlError):
+    kind = "source_unavailable"
+    grpc_status = Status.UNAVAILABLE
+    exit_code = 7
+    default_hint = "Check the network, HF_ENDPOINT and HF_TOKEN, then pull again."
+
+
+class DiskFull(LoractlError):
+    kind = "disk_full"
+    grpc_status = Status.RESOURCE_EXHAUSTED
+    exit_code = 8
+    default_hint = "Free space (loractl rm NAME removes adapters) and pull again."
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(text)).strip()
+
+
 _BY_KIND: dict[str, type[LoractlError]] = {
     cls.kind: cls
     for cls in (LoractlError, DaemonNotRunning, InvalidRequest, AdapterNotFound, InvalidAdapter,
-                EngineUnavailable, Cancelled)
+                EngineUnavailable, Cancelled, SourceUnavailable, DiskFull)
 }
 
 

@@ -24,12 +24,17 @@ for _ in $(seq 1 240); do
 done
 "$BIN/loractl" status
 
-adapter="$LORACTL_HOME/demo/adapters/sql-expert/v1"
+echo
+echo "\$ loractl pull \$LORACTL_HOME/demo/adapters/sql-expert/v1 --name sql-expert/v1"
+"$BIN/loractl" pull "$LORACTL_HOME/demo/adapters/sql-expert/v1" --name sql-expert/v1
+echo
+echo "\$ loractl ls"
+"$BIN/loractl" ls
 echo
 echo "\$ loractl run --temperature 0 \"$prompt\""
 "$BIN/loractl" run --temperature 0 --max-tokens 48 "$prompt"
 echo
-echo "\$ loractl run --lora $adapter --temperature 0 \"$prompt\""
-"$BIN/loractl" run --lora "$adapter" --temperature 0 --max-tokens 48 "$prompt"
+echo "\$ loractl run --lora sql-expert/v1 --temperature 0 \"$prompt\""
+"$BIN/loractl" run --lora sql-expert/v1 --temperature 0 --max-tokens 48 "$prompt"
 echo
 echo "demo: done (the demo model has random weights: the text is noise, but exactly reproducible)"

@@ -73,7 +73,7 @@ class AdapterResolver:
             if not path.is_dir():
                 raise AdapterNotFound(f"no adapter folder at {path}")
             digest = self._folder_digest(path)
-            label = path.name
+            label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
         else:
             stored = self.store.get(lora)
             path = stored.path

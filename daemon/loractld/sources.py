@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from loractl.errors import AdapterNotFound, InvalidAdapter, InvalidRequest, LoractlError
+from loractl.errors import AdapterNotFound, Cancelled, InvalidAdapter, InvalidRequest, LoractlError, SourceUnavailable
 from loractl.names import default_name
 from loractld.validate import CONFIG_FILE, WEIGHTS_FILE
 
@@ -36,15 +36,7 @@ ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 ProgressFn = Callable[[str, int, int], None]
 
 
-class SourceUnavailable(LoractlError):
-    kind = "source_unavailable"
-    exit_code = 7
-    default_hint = "Check the network, HF_ENDPOINT and HF_TOKEN, then pull again."
-
-
-class PullCancelled(LoractlError):
-    kind = "cancelled"
-    exit_code = 130
+class PullCancelled(Cancelled):
     default_hint = "Pull again to restart it."
 
 
@@ -188,7 +180,7 @@ class HubSource(AdapterSource):
                                  "Give the revision once.")
         revision = revision or ref_rev or "main"
         api = HfApi(endpoint=self._endpoint(endpoint), token=self._token(token))
-        with _hub_errors(repo, revision, self._endpoint(endpoint)):
+        with _hub_errors(repo, revision, self._endpoint(endpoint), sub):
             info = api.model_info(repo, revision=revision)
             entries = [e for e in api.list_repo_tree(repo, path_in_repo=sub or None, revision=info.sha,
                                                      recursive=False)
@@ -255,8 +247,9 @@ def _progress_class(file: str, progress: ProgressFn, cancel: threading.Event):
 class _hub_errors:
     """Map huggingface_hub's exceptions to domain errors with hints."""
 
-    def __init__(self, repo: str, revision: str, endpoint: str | None) -> None:
+    def __init__(self, repo: str, revision: str, endpoint: str | None, sub: str = "") -> None:
         self.repo, self.revision, self.endpoint = repo, revision, endpoint or "https://huggingface.co"
+        self.sub = sub
 
     def __enter__(self):
         return self
@@ -275,11 +268,17 @@ class _hub_errors:
             raise AdapterNotFound(f"{self.repo} has no revision {self.revision!r}",
                                   "Check --revision: a branch, tag or commit sha.") from exc
         if isinstance(exc, hf.EntryNotFoundError):
-            raise AdapterNotFound(f"a file of {self.repo} at {self.revision} is missing", "Check the subfolder.") from exc
-        if isinstance(exc, hf.LocalEntryNotFoundError) or isinstance(exc, OSError) or "Connect" in type(exc).__name__:
+            what = f"no folder {self.sub!r}" if self.sub else "a file it listed no longer"
+            raise AdapterNotFound(f"{self.repo} has {what} at {self.revision}",
+                                  "Check the subfolder: hf://org/repo[@revision]/subfolder.") from exc
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(exc, hf.HfHubHTTPError) and status in (401, 403):
+            raise SourceUnavailable(f"the Hub refused the credentials for {self.repo} (HTTP {status})",
+                                    "Check HF_TOKEN: it must be valid and allowed to read this repo.") from exc
+        if isinstance(exc, hf.HfHubHTTPError) and status is not None:
+            raise SourceUnavailable(f"the Hub answered HTTP {status} for {self.repo}: {exc}") from exc
+        if isinstance(exc, (hf.LocalEntryNotFoundError, hf.HfHubHTTPError, OSError)) or "Connect" in type(exc).__name__:
             raise SourceUnavailable(f"cannot reach the Hub at {self.endpoint}: {exc}") from exc
-        if isinstance(exc, hf.HfHubHTTPError):
-            raise SourceUnavailable(f"the Hub answered an error for {self.repo}: {exc}") from exc
         return False
 
 

@@ -29,19 +29,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loractl.errors import AdapterNotFound, InvalidAdapter, LoractlError
+from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, LoractlError
 from loractl.names import NAME_RE, validate_name
 from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
 SEED_METADATA_FILE = "metadata.json"
 _log = logging.getLogger("loractld.store")
-
-
-class DiskFull(LoractlError):
-    kind = "disk_full"
-    exit_code = 8
-    default_hint = "Free space (loractl rm NAME removes adapters) and pull again."
 
 
 @dataclass(frozen=True)

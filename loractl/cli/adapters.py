@@ -85,8 +85,10 @@ def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = Fa
         stderr.print("no adapters yet: loractl pull ORG/REPO")
         return
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("NAME", "SIZE", "RANK", "REVISION", "SOURCE", "STATE"):
-        table.add_column(column, overflow="fold" if column == "NAME" else "ellipsis", no_wrap=column != "NAME")
+    # Names are what users copy into the next command: they never get cut; SOURCE gives way.
+    table.add_column("NAME", no_wrap=True, min_width=min(40, max(len(a["name"]) for a in adapters)))
+    for column in ("SIZE", "RANK", "REVISION", "SOURCE", "STATE"):
+        table.add_column(column, overflow="ellipsis", no_wrap=True)
     for a in adapters:
         state = a["state"] if a["state"] != "failed" else "[red]failed[/]"
         table.add_row(a["name"], human_bytes(int(a["size_bytes"])), str(a["rank"]), short_revision(a["revision"]),

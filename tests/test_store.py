@@ -1,0 +1,166 @@
+"""The disk tier through the real daemon: pull from folders, validation, ls/show/rm, names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from adapter_factory import broken, good
+from conftest import run_cli
+from test_errors import assert_one_error
+
+
+def cli(daemon, *args):
+    return run_cli(*args, "--socket", str(daemon.socket)) if args[0] != "run" else run_cli(
+        args[0], "--socket", str(daemon.socket), *args[1:])
+
+
+def stored_names(daemon) -> set[str]:
+    result = cli(daemon, "ls", "--json")
+    assert result.returncode == 0, result.stderr
+    return {a["name"] for a in json.loads(result.stdout)}
+
+
+def store_dir(daemon) -> Path:
+    return daemon.home / "adapters"
+
+
+def test_pull_a_folder_then_generate_with_its_name(daemon, demo, reference):
+    result = cli(daemon, "pull", str(demo / "adapters" / "python-expert" / "v1"), "--name", "python-expert/v1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("success: python-expert/v1")
+    assert "verifying" in result.stderr and "installing" in result.stderr
+    assert "python-expert/v1" in stored_names(daemon)
+
+    out = cli(daemon, "run", "--lora", "python-expert/v1", "-t", "0", "-n", "20", "Write a query")
+    assert out.returncode == 0, out.stderr
+    expected = reference.greedy(reference.chat_ids("Write a query"), demo / "adapters" / "python-expert" / "v1", 20)
+    assert out.stdout == reference.text(expected) + "\n"
+
+    again = cli(daemon, "pull", str(demo / "adapters" / "python-expert" / "v1"), "--name", "python-expert/v1")
+    assert again.returncode == 0 and again.stdout.startswith("up to date: python-expert/v1")
+
+
+def test_show_reports_the_manifest(daemon, demo):
+    src = demo / "adapters" / "sql-expert" / "v1"
+    assert cli(daemon, "pull", str(src), "--name", "show-me/v1").returncode == 0
+    info = json.loads(cli(daemon, "show", "show-me/v1", "--json").stdout)
+    assert info["source"] == "local" and info["ref"] == str(src)
+    assert info["rank"] == 8 and info["alpha"] == 16 and info["base_model"] == "loractl/demo-tiny-llama"
+    assert sorted(info["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"])
+    import hashlib
+    for f in info["files"]:
+        data = (src / f["name"]).read_bytes()
+        assert int(f["size"]) == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+    assert info["revision"].startswith("sha256:") and info["state"] == "on_disk"
+    human = cli(daemon, "show", "show-me/v1")
+    assert human.returncode == 0 and "loractl/demo-tiny-llama" in human.stdout
+
+
+def test_new_content_under_the_same_name_replaces_it(daemon, demo, tmp_path, reference):
+    a = good(demo, tmp_path / "a", name="swap-a")
+    b = good(demo, tmp_path / "b", name="swap-b")
+    assert cli(daemon, "pull", str(a), "--name", "swap/v1").returncode == 0
+    first = json.loads(cli(daemon, "show", "swap/v1", "--json").stdout)
+    out_a = cli(daemon, "run", "--lora", "swap/v1", "-t", "0", "-n", "12", "hello").stdout
+    # The same name now pulled from other content: a new revision, installed atomically.
+    assert cli(daemon, "pull", str(b), "--name", "swap/v1").returncode == 0
+    second = json.loads(cli(daemon, "show", "swap/v1", "--json").stdout)
+    assert second["revision"] != first["revision"] and not Path(first["path"]).exists()
+    out_b = cli(daemon, "run", "--lora", "swap/v1", "-t", "0", "-n", "12", "hello").stdout
+    ids = reference.chat_ids("hello")
+    assert out_a == reference.text(reference.greedy(ids, a, 12)) + "\n"
+    assert out_b == reference.text(reference.greedy(ids, b, 12)) + "\n"
+    assert out_a != out_b
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("no_config", "adapter_config.json is missing"),
+    ("bad_json", "adapter_config.json is not valid JSON"),
+    ("not_lora", "not a LoRA adapter: peft_type is 'IA3'"),
+    ("pickle_only", "only in pickle format"),
+    ("rank_too_big", "rank 32 is above the daemon's max LoRA rank 16"),
+    ("unknown_module", "the base model has no module 'model.layers.7.self_attn.q_proj'"),
+    ("wrong_shape", "does not fit the base model"),
+    ("other_base_model", "trained for 'meta-llama/Llama-3.1-8B'"),
+    ("truncated", "truncated"),
+    ("garbage", "not a valid safetensors file"),
+])
+def test_invalid_adapters_are_refused_and_nothing_is_installed(daemon, demo, tmp_path, kind, needle):
+    folder = broken(kind, demo, tmp_path / kind)
+    name = f"bad-{kind.replace('_', '-')}/v1"
+    result = cli(daemon, "pull", str(folder), "--name", name)
+    assert_one_error(result, 5, needle)
+    assert name not in stored_names(daemon)
+    assert not (store_dir(daemon) / name).exists()
+    assert not any((store_dir(daemon) / ".tmp").iterdir())
+
+
+def test_force_installs_an_adapter_for_another_base_name(daemon, demo, tmp_path):
+    folder = broken("other_base_model", demo, tmp_path / "other")
+    result = cli(daemon, "pull", str(folder), "--name", "forced/v1", "--force")
+    assert result.returncode == 0, result.stderr
+    assert "forced/v1" in stored_names(daemon)
+
+
+@pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "Upper/v1", "a/b/c", "x/..", ".hidden", "a//b", ""])
+def test_invalid_names_are_refused(daemon, demo, name):
+    result = cli(daemon, "pull", str(demo / "adapters" / "poet" / "v1"), "--name", name)
+    if name == "":  # an empty --name means "derive it"
+        assert result.returncode == 0, result.stderr
+        return
+    assert_one_error(result, 2, "invalid adapter name")
+
+
+def test_hand_placed_adapters_are_discovered(daemon, demo):
+    # The seeds' layout: <root>/<name>/<version>/adapter_config.json (+ optional metadata.json)
+    folder = store_dir(daemon) / "handmade" / "v2"
+    shutil.copytree(demo / "adapters" / "translator" / "v1", folder)
+    (folder / "metadata.json").write_text(json.dumps({"description": "placed by hand"}))
+    listed = {a["name"]: a for a in json.loads(cli(daemon, "ls", "--json").stdout)}
+    assert listed["handmade/v2"]["hand_placed"] is True and listed["handmade/v2"]["state"] == "on_disk"
+    assert listed["handmade/v2"]["rank"] == 16
+    out = cli(daemon, "run", "--lora", "handmade/v2", "-t", "0", "-n", "8", "hi")
+    assert out.returncode == 0, out.stderr
+    assert cli(daemon, "rm", "handmade/v2").returncode == 0
+    assert not folder.exists()
+
+
+def test_symlinks_out_of_the_store_are_refused(daemon, demo):
+    outside = Path(tempfile.mkdtemp(prefix="lct-out-", dir="/tmp"))
+    shutil.copytree(demo / "adapters" / "poet" / "v1", outside / "poet")
+    link = store_dir(daemon) / "escape"
+    link.symlink_to(outside / "poet")
+    try:
+        assert "escape" not in stored_names(daemon)
+        result = cli(daemon, "run", "--lora", "escape", "hi")
+        assert_one_error(result, 5, "leads out of the store")
+    finally:
+        link.unlink()
+        shutil.rmtree(outside)
+
+
+def test_rm_deletes_and_unknown_names_get_a_pull_hint(daemon, demo):
+    assert cli(daemon, "pull", str(demo / "adapters" / "poet" / "v1"), "--name", "gone/v1").returncode == 0
+    path = Path(json.loads(cli(daemon, "show", "gone/v1", "--json").stdout)["path"])
+    # Load it into the engine, so rm has something to unload.
+    assert cli(daemon, "run", "--lora", "gone/v1", "-t", "0", "-n", "4", "hi").returncode == 0
+    result = cli(daemon, "rm", "gone/v1")
+    assert result.returncode == 0 and "deleted gone/v1 (unloaded from the engine)" in result.stdout
+    assert not path.exists() and "gone/v1" not in stored_names(daemon)
+    assert_one_error(cli(daemon, "rm", "gone/v1"), 4, "no adapter named 'gone/v1'", "loractl pull")
+    assert_one_error(cli(daemon, "run", "--lora", "gone/v1", "hi"), 4, "loractl pull")
+
+
+def test_ls_human_output_fits_80_columns(daemon, demo):
+    cli(daemon, "pull", str(demo / "adapters" / "sql-expert" / "v1"), "--name", "a-rather-long-adapter-name/v1")
+    result = run_cli("ls", "--socket", str(daemon.socket), env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    assert "a-rather-long-adapter-name/v1" in result.stdout.replace("\n", "")
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80

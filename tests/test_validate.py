@@ -1,0 +1,87 @@
+"""Validation and the store without a daemon: checks that need injected faults or no engine."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+
+import pytest
+
+from adapter_factory import broken, good
+from loractl.errors import InvalidAdapter
+from loractl.names import default_name, validate_name
+from loractld.store import DiskFull, Store
+from loractld.validate import base_model_shapes, validate_adapter
+
+
+def check(folder, demo, **kw):
+    return validate_adapter(folder, max_lora_rank=16, base_shapes=base_model_shapes(demo / "model"),
+                            model_names={"loractl/demo-tiny-llama"}, **kw)
+
+
+def test_good_adapter_passes(demo, tmp_path):
+    facts = check(good(demo, tmp_path / "ok"), demo)
+    assert facts.rank == 8 and len(facts.target_modules) == 7
+
+
+def test_size_cap(demo, tmp_path):
+    folder = good(demo, tmp_path / "big")
+    with pytest.raises(InvalidAdapter, match="over the cap"):
+        check(folder, demo, max_weights_bytes=1000)
+
+
+def test_base_model_names_match_by_last_component(demo, tmp_path):
+    folder = broken("other_base_model", demo, tmp_path / "x")
+    facts = validate_adapter(folder, max_lora_rank=16, model_names={"/models/Llama-3.1-8B"})
+    assert facts.base_model == "meta-llama/Llama-3.1-8B"
+
+
+@pytest.mark.parametrize("name", ["sql-expert/v1", "a", "a.b_c-d/0"])
+def test_valid_names(name):
+    assert validate_name(name) == name
+
+
+def test_default_names():
+    assert default_name("Org/My_Adapter") == "org/my_adapter"
+    assert default_name("org/repo", "sub/dir") == "org/repo-sub-dir"
+
+
+def test_disk_full_before_download(tmp_path, monkeypatch):
+    store = Store(tmp_path / "store")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 100, 10))
+    with pytest.raises(DiskFull, match="not enough disk space"):
+        store.check_free_space(1 << 20)
+
+
+def test_disk_full_during_install_loses_nothing(demo, tmp_path, monkeypatch):
+    """ENOSPC while installing a new revision: the old one stays, nothing half-written shows."""
+    store = Store(tmp_path / "store")
+    manifest = {"files": [{"name": "adapter_config.json", "size": 1, "sha256": "x"}]}
+    with store.staging() as staged:
+        good(demo, staged)
+        old = store.install("keep/v1", staged, manifest)
+
+    import loractld.store as store_module
+
+    real_rename = store_module.os.rename
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with store.staging() as staged:
+        good(demo, staged, name="other")
+        monkeypatch.setattr(store_module.os, "rename", full)
+        with pytest.raises(DiskFull):
+            store.install("keep/v1", staged, {**manifest, "revision": "new"})
+        monkeypatch.setattr(store_module.os, "rename", real_rename)
+    assert store.get("keep/v1").path == old.path and old.path.exists()
+    assert not any(store.tmp.iterdir())
+
+
+def test_recover_removes_interrupted_pulls(demo, tmp_path):
+    store = Store(tmp_path / "store")
+    (store.tmp / "half").mkdir()
+    (store.tmp / "half" / "adapter_model.safetensors").write_bytes(b"partial")
+    (store.objects / "orphan").mkdir()
+    removed = store.recover()
+    assert len(removed) == 2 and not any(store.tmp.iterdir()) and not any(store.objects.iterdir())
