@@ -14,13 +14,13 @@ Python's ``hash()`` is salted per process and is never used for this.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
+from loractld.sources import sha256_file
 from loractld.store import Store, files_digest
 from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
@@ -40,14 +40,6 @@ class AdapterRef:
     @property
     def engine_name(self) -> str:
         return f"{self.label}@{self.digest[:16]}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class AdapterResolver:
@@ -99,7 +91,7 @@ class AdapterResolver:
         if key not in self._folder_digests:
             if len(files) < 2:
                 self.validate(path, False)  # raises the precise reason (missing config, pickle only, ...)
-            self._folder_digests[key] = files_digest([{"name": f.name, "sha256": _sha256(f)} for f in files])
+            self._folder_digests[key] = files_digest([{"name": f.name, "sha256": sha256_file(f)} for f in files])
         return self._folder_digests[key]
 
     def id_for(self, digest: str) -> int:
