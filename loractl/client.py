@@ -190,6 +190,39 @@ class Client:
             return to_dict(await self.stub.Show(pb.ShowRequest(name=name), timeout=self.timeout))
 
     async def remove(self, name: str, *, force: bool = False) -> dict[str, Any]:
-        """Delete an adapter from disk, unloading it from the engine first."""
+        """Delete an adapter from disk, unloading it from the engine first (``force``: even if pinned)."""
         async with self._errors():
             return to_dict(await self.stub.Remove(pb.RemoveRequest(name=name, force=force), timeout=self.timeout))
+
+    async def load(self, name: str, *, to: str = "device") -> dict[str, Any]:
+        """Load a stored adapter into host RAM or onto the device; return its residency."""
+        async with self._errors():
+            return to_dict(await self.stub.Load(pb.LoadRequest(name=name, to=to), timeout=self.timeout))
+
+    async def evict(self, name: str, *, source: str = "device") -> dict[str, Any]:
+        """Evict from the device (the host copy stays) or from host RAM (the disk copy stays)."""
+        request = pb.EvictRequest(name=name)
+        setattr(request, "from", source)
+        async with self._errors():
+            return to_dict(await self.stub.Evict(request, timeout=self.timeout))
+
+    async def pin(self, name: str) -> dict[str, Any]:
+        async with self._errors():
+            return to_dict(await self.stub.Pin(pb.NameRequest(name=name), timeout=self.timeout))
+
+    async def unpin(self, name: str) -> dict[str, Any]:
+        async with self._errors():
+            return to_dict(await self.stub.Unpin(pb.NameRequest(name=name), timeout=self.timeout))
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Lifecycle events as they happen, until the caller stops iterating."""
+        async with self._errors():
+            async with self.stub.Events.open() as stream:
+                await stream.send_message(pb.EventsRequest(), end=True)
+                async for event in stream:
+                    yield to_dict(event)
+
+    async def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text format."""
+        async with self._errors():
+            return (await self.stub.Metrics(pb.MetricsRequest(), timeout=self.timeout)).text

@@ -58,6 +58,7 @@ class AdapterResolver:
         self._facts: dict[str, AdapterFacts | LoractlError] = {}
         self._ids: dict[str, int] = {}
         self._taken: set[int] = set()
+        self._labels: dict[int, str] = {}
 
     def resolve(self, lora: str) -> AdapterRef:
         if os.path.isabs(lora):
@@ -72,7 +73,13 @@ class AdapterResolver:
             digest = files_digest(stored.manifest["files"])
             label = lora
         facts = self._facts_for(digest, path)
-        return AdapterRef(label=label, path=path, digest=digest, facts=facts, engine_id=self.id_for(digest))
+        ref = AdapterRef(label=label, path=path, digest=digest, facts=facts, engine_id=self.id_for(digest))
+        self._labels[ref.engine_id] = label
+        return ref
+
+    def label_of(self, engine_id: int) -> str | None:
+        """The name an engine id was last resolved from (for events and listings)."""
+        return self._labels.get(engine_id)
 
     def _facts_for(self, digest: str, path: Path) -> AdapterFacts:
         if digest not in self._facts:

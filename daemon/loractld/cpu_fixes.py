@@ -9,10 +9,9 @@
 2. bfloat16 dies with SIGILL in the AMX attention path because nothing asked the kernel for
    AMX tile permission; ``torch.cpu._init_amx()`` asks.
 
-The worker runs in a process vLLM spawns, so the fixes are installed by a
-``vllm.general_plugins`` entry point that vLLM calls in every process it starts. The plugin
-is inert unless ``LORACTL_VLLM_CPU_FIXES=1`` is set (loractld's engine sets it before it
-starts vLLM on the CPU), so a plain vLLM in the same environment is left as it is.
+The worker runs in a process vLLM spawns, so the fixes are installed by loractl's
+``vllm.general_plugins`` entry point (``vllm_plugin``), only when ``LORACTL_VLLM_CPU_FIXES=1``
+is set (loractld's engine sets it before it starts vLLM on the CPU).
 
 Invariant: installing is idempotent, and a batch in which every token has an adapter (or
 none has) computes exactly what the original ops compute.
@@ -80,9 +79,3 @@ def install() -> None:
     amx = init_amx()
     patched = install_masked_lora_ops()
     _log.info("loractl CPU fixes installed (amx=%s, patched %d ops)", amx, len(patched))
-
-
-def vllm_plugin() -> None:
-    """vLLM ``general_plugins`` entry point: installs the fixes when loractld asked for them."""
-    if os.environ.get(ENV_FLAG) == "1":
-        install()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidRequest
-from loractld import cpu_fixes
+from loractld import cpu_fixes, vllm_plugin, worker_ext
 from loractld.adapters import AdapterRef
 
 _log = logging.getLogger("loractld.engine")
@@ -88,6 +88,7 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     # One engine-core process that holds the worker, instead of core + worker processes:
     # faster start (7 s instead of 12-16 s on CPU), and one child to reap.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ[vllm_plugin.ENGINE_FLAG] = "1"  # our worker methods (worker_ext)
     if device == "cpu" and apply_cpu_fixes:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
     else:
@@ -116,8 +117,9 @@ class Engine:
         began = time.monotonic()
         device = resolve_device(settings.device)
         _prepare_environment(device, settings.cpu_fixes)
+        worker_ext.install()  # for a worker vLLM might run in this process
         if device == "cpu" and settings.cpu_fixes:
-            cpu_fixes.install()  # for anything vLLM runs in this process too
+            cpu_fixes.install()  # likewise
 
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -221,6 +223,25 @@ class Engine:
             if self.errored:
                 raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
             raise
+
+    # -- the LoRA tiers (see loractld.worker_ext for the worker side) ------------------
+    async def lora_state(self) -> dict:
+        """What the worker really holds: host and device ids (LRU order), slots, pins."""
+        return (await self._llm.collective_rpc("loractl_lora_state"))[0]
+
+    async def add_adapter(self, adapter: AdapterRef) -> bool:
+        """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
+        return bool(await self._llm.add_lora(self._lora_request(adapter)))
+
+    async def pin_adapter(self, engine_id: int) -> bool:
+        return bool(await self._llm.pin_lora(engine_id))
+
+    async def unpin_adapter(self, engine_id: int) -> bool:
+        return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id,)))[0])
+
+    async def deactivate_adapter(self, engine_id: int) -> bool:
+        """Leave the device slot, keep the host copy."""
+        return bool((await self._llm.collective_rpc("loractl_deactivate", args=(engine_id,)))[0])
 
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive_int, default=16, help="sequences per batch (default: 16)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache size, e.g. 256MiB (default on CPU: 256MiB; on CUDA vLLM sizes it)")
+    p.add_argument("--preload", action="append", default=[], metavar="NAME",
+                   help="load this stored adapter onto the device before reporting ready (repeatable)")
     p.add_argument("--max-adapter-size", type=parse_size, default=4 << 30,
                    help="refuse adapter weight files larger than this (default: 4GiB)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable vLLM's prefix cache")
@@ -87,7 +89,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
-                          max_adapter_bytes=args.max_adapter_size)
+                          max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -42,6 +42,7 @@ class PullEvent:
     total: int = 0
     message: str = ""
     adapter: StoredAdapter | None = None
+    previous: StoredAdapter | None = None   # done: the revision this pull replaced, if any
 
 
 class Puller:
@@ -69,6 +70,8 @@ class Puller:
                 return
             self.store.check_free_space(resolved.total_bytes)
             async for event in self._run(source, resolved, name, force, token, endpoint):
+                if event.stage == "done":
+                    event.previous = current
                 yield event
 
     def _current(self, name: str) -> StoredAdapter | None:

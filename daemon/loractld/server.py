@@ -28,6 +28,7 @@ from loractld.pulls import Puller
 from loractld.service import Catalog, LoractlService
 from loractld.sources import load_sources
 from loractld.store import Store
+from loractld.tiers import PersistentState, Tiers
 from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
 _log = logging.getLogger("loractld")
@@ -40,6 +41,7 @@ class DaemonSettings:
     socket: str | None = None
     shutdown_grace_s: float = 10.0
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
+    preload: tuple[str, ...] = ()
 
 
 class SocketInUse(LoractlError):
@@ -137,7 +139,13 @@ async def serve(settings: DaemonSettings) -> int:
             service.set_failed(e)
             exit_code = 1
         else:
-            service.set_engine(engine)
+            assert service.catalog is not None
+            tiers = Tiers(engine, service.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
+                          service.events, service.metrics, max_loras=settings.engine.max_loras)
+            await tiers.sync()
+            for failure in await tiers.apply_startup(list(settings.preload)):
+                _log.warning("startup: %s", failure)
+            service.set_engine(engine, tiers)
             _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
                       engine.start_seconds)
             await stop.wait()

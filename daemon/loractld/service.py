@@ -24,6 +24,7 @@ from grpclib.exceptions import GRPCError
 
 from loractl import __version__
 from loractl.errors import Cancelled, EngineUnavailable, InvalidRequest, LoractlError, to_wire
+from loractld.events import Event, EventBus, Metrics
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from loractld.engine import Engine
     from loractld.pulls import Puller
     from loractld.store import Store, StoredAdapter
+    from loractld.tiers import Tiers
 
 _log = logging.getLogger("loractld.service")
 ROLES = ("system", "user", "assistant")
@@ -74,20 +76,27 @@ class LoractlService(LoractlBase):
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()
         self.engine: Engine | None = None
+        self.tiers: Tiers | None = None
         self.engine_ready = asyncio.Event()
+        self.events = EventBus()
+        self.metrics = Metrics()
         self.startup_error: LoractlError | None = None
         self.started = time.monotonic()
         self.draining = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
+        # Adapter folders running requests may still need (vLLM reloads from disk after an
+        # eviction): a replaced revision's folder is deleted only once none uses it.
+        self._paths_in_use: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle, driven by loractld.server ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
         self.catalog = catalog
         self.catalog_ready.set()
 
-    def set_engine(self, engine: Engine) -> None:
+    def set_engine(self, engine: Engine, tiers: Tiers) -> None:
         self.engine = engine
+        self.tiers = tiers
         self.engine_ready.set()
 
     def set_failed(self, error: LoractlError) -> None:
@@ -118,6 +127,11 @@ class LoractlService(LoractlBase):
         await self._ready(self.engine_ready)
         assert self.engine is not None
         return self.engine
+
+    async def _wait_tiers(self) -> Tiers:
+        await self._ready(self.engine_ready)
+        assert self.tiers is not None
+        return self.tiers
 
     async def _wait_catalog(self) -> Catalog:
         await self._ready(self.catalog_ready)
@@ -152,7 +166,18 @@ class LoractlService(LoractlBase):
                 max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank, max_model_len=s.max_model_len,
                 vllm_version=engine.vllm_version,
             )
+        capacity = pb.Capacity()
+        if engine is not None and self.tiers is not None and self.catalog is not None:
+            state = await self.tiers.sync()
+            stored = await asyncio.to_thread(self.catalog.store.list)
+            capacity = pb.Capacity(
+                device_slots=state.device_capacity, device_used=len(state.device), host_slots=state.host_capacity,
+                host_used=len(state.host), pins=len(self.tiers.pinned_names()), max_pins=engine.settings.max_loras - 1,
+                max_lora_rank=engine.settings.max_lora_rank, disk_adapters=len(stored),
+                disk_bytes=sum(a.size_bytes for a in stored),
+            )
         await stream.send_message(pb.StatusReply(
+            capacity=capacity,
             version=__version__,
             pid=os.getpid(),
             socket=self.socket_path,
@@ -169,16 +194,26 @@ class LoractlService(LoractlBase):
         request: pb.GenerateRequest = await stream.recv_message()
         engine = await self._wait_engine()
         catalog = await self._wait_catalog()
+        tiers = await self._wait_tiers()
         adapter = catalog.resolver.resolve(request.lora) if request.lora else None
         name = request.lora if adapter and not os.path.isabs(request.lora) else None
+        tiers.note_request(name or (adapter.label if adapter else ""))
         if name:
             self._serving[name] += 1
+        if adapter:
+            self._paths_in_use[str(adapter.path)] += 1
         try:
             await self._tracked(stream, lambda: self._generate(engine, request, adapter, stream),
                                 "the daemon is shutting down; the generation was stopped")
         finally:
             if name:
                 self._serving[name] -= 1
+            if adapter:
+                self._paths_in_use[str(adapter.path)] -= 1
+                if adapter.path.name and not self._paths_in_use[str(adapter.path)]:
+                    await self._collect_garbage(catalog)
+            if adapter and not self.draining:
+                await tiers.sync()  # report what a lazy load or an LRU eviction just did
 
     async def _generate(self, engine: Engine, request: pb.GenerateRequest, adapter: AdapterRef | None,
                         stream) -> None:
@@ -224,6 +259,9 @@ class LoractlService(LoractlBase):
                 if event.adapter is not None:
                     reply.adapter.CopyFrom(adapter_message(event.adapter))
                     _log.info("pull %s: %s", event.stage, event.message)
+                if event.stage == "done":
+                    self.events.publish(Event("DOWNLOADED_TO_DISK", event.adapter.name, message=event.message))
+                    await self._replaced(catalog, event.adapter.name, event.previous)
                 await stream.send_message(reply)
 
         await self._tracked(stream, body, "the daemon is shutting down; the pull was stopped (nothing was installed)")
@@ -233,38 +271,131 @@ class LoractlService(LoractlBase):
         await stream.recv_message()
         catalog = await self._wait_catalog()
         adapters = await asyncio.to_thread(catalog.store.list)
-        await stream.send_message(pb.ListReply(adapters=[self._described(catalog, a) for a in adapters]))
+        state = await self.tiers.sync() if self.tiers else None
+        await stream.send_message(pb.ListReply(adapters=[self._described(catalog, a, state) for a in adapters]))
 
     @domain_errors
     async def Show(self, stream) -> None:
         request: pb.ShowRequest = await stream.recv_message()
         catalog = await self._wait_catalog()
         adapter = await asyncio.to_thread(catalog.store.get, request.name)
-        await stream.send_message(self._described(catalog, adapter))
+        state = await self.tiers.sync() if self.tiers else None
+        await stream.send_message(self._described(catalog, adapter, state))
+
+    async def _tier_op(self, stream, op) -> None:
+        request = await stream.recv_message()
+        catalog = await self._wait_catalog()
+        tiers = await self._wait_tiers()
+        await op(tiers, request)
+        adapter = await asyncio.to_thread(catalog.store.get, request.name)
+        await stream.send_message(self._described(catalog, adapter, tiers._last))
+
+    @domain_errors
+    async def Load(self, stream) -> None:
+        await self._tier_op(stream, lambda tiers, r: tiers.load(r.name, r.to or "device"))
+
+    @domain_errors
+    async def Evict(self, stream) -> None:
+        await self._tier_op(stream, lambda tiers, r: tiers.evict(r.name, getattr(r, "from") or "device"))
+
+    @domain_errors
+    async def Pin(self, stream) -> None:
+        await self._tier_op(stream, lambda tiers, r: tiers.pin(r.name))
+
+    @domain_errors
+    async def Unpin(self, stream) -> None:
+        await self._tier_op(stream, lambda tiers, r: tiers.unpin(r.name))
+
+    @domain_errors
+    async def Events(self, stream) -> None:
+        await stream.recv_message()
+        queue = self.events.subscribe()
+        try:
+            while not self.draining:
+                event = await queue.get()
+                await stream.send_message(pb.LifecycleEvent(kind=event.kind, adapter=event.adapter,
+                                                            reason=event.reason, message=event.message,
+                                                            time=event.time))
+        finally:
+            self.events.unsubscribe(queue)
+
+    @domain_errors
+    async def Metrics(self, stream) -> None:
+        await stream.recv_message()
+        if self.tiers is not None:
+            await self.tiers.sync()
+        if self.catalog is not None:
+            stored = await asyncio.to_thread(self.catalog.store.list)
+            self.metrics.set("loractl_tier_bytes", (("tier", "disk"),), sum(a.size_bytes for a in stored))
+            self.metrics.set("loractl_tier_adapters", (("tier", "disk"),), len(stored))
+        await stream.send_message(pb.MetricsReply(text=self.metrics.render()))
+
+    # -- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_quietly(catalog: Catalog, name: str) -> AdapterRef | None:
+        try:
+            return catalog.resolver.resolve(name)
+        except LoractlError:
+            return None
+
+    async def _replaced(self, catalog: Catalog, name: str, previous: StoredAdapter | None) -> None:
+        """After a new revision of ``name`` is installed: move its pin over, drop the old
+        revision from the engine unless a running request still uses it, delete its folder
+        once nothing uses it."""
+        from loractld.store import files_digest
+
+        if previous is not None and self.tiers is not None and self.engine is not None:
+            old_id = catalog.resolver.id_for(files_digest(previous.manifest["files"]))
+            if name in self.tiers.pinned_names():
+                await self.engine.unpin_adapter(old_id)
+                await self.tiers.pin(name, reason="new revision")
+            if not self._paths_in_use[str(previous.path)]:
+                await self.engine.remove_adapter(old_id)
+        await self._collect_garbage(catalog)
+
+    async def _collect_garbage(self, catalog: Catalog) -> None:
+        keep = {path for path, count in self._paths_in_use.items() if count > 0}
+        await asyncio.to_thread(catalog.store.collect_garbage, keep)
 
     @domain_errors
     async def Remove(self, stream) -> None:
         request: pb.RemoveRequest = await stream.recv_message()
         catalog = await self._wait_catalog()
         stored = catalog.store.get(request.name)
+        del stored
         if self._serving[request.name] > 0:
             raise InvalidRequest(f"{request.name!r} is serving {self._serving[request.name]} request(s)",
                                  "Wait for them to finish, then remove it.")
+        tiers = await self._wait_tiers()
+        if request.name in tiers.pinned_names() and not request.force:
+            raise InvalidRequest(f"{request.name!r} is pinned", f"Unpin it first (loractl unpin {request.name}), "
+                                 "or remove it anyway with --force.")
         unloaded = False
-        if self.engine is not None:
-            from loractld.store import files_digest
-
-            unloaded = await self.engine.remove_adapter(catalog.resolver.id_for(files_digest(stored.manifest["files"])))
+        ref = self._resolve_quietly(catalog, request.name)
+        if ref is not None:
+            unloaded = await tiers.forget(request.name, ref)
         removed = await asyncio.to_thread(catalog.store.remove, request.name)
+        self.events.publish(Event("DELETED_FROM_DISK", request.name))
         _log.info("removed %s (%s)", request.name, removed.path)
         await stream.send_message(pb.RemoveReply(adapter=adapter_message(removed), unloaded=unloaded))
 
-    def _described(self, catalog: Catalog, adapter: StoredAdapter) -> pb.Adapter:
+    def _described(self, catalog: Catalog, adapter: StoredAdapter, state) -> pb.Adapter:
         message = adapter_message(adapter)
         try:
-            catalog.resolver.resolve(adapter.name)
+            ref = catalog.resolver.resolve(adapter.name)
         except LoractlError as e:
             message.state, message.error = "failed", f"{e.message} ({e.hint})"
+            return message
+        if state is not None:
+            residency = state.residency(ref.engine_id)
+            message.tier, message.pinned, message.slot = residency.tier, residency.pinned, residency.slot
+            message.host_bytes = residency.host_bytes
+        if self.tiers is not None:
+            usage = self.tiers.usage.get(adapter.name)
+            if usage is not None:
+                message.requests, message.last_used = usage.requests, usage.last_used
+                if usage.state != "ready":
+                    message.state, message.error = usage.state, usage.error
         return message
 
 
@@ -277,7 +408,7 @@ def adapter_message(adapter: StoredAdapter) -> pb.Adapter:
         target_modules=targets if isinstance(targets, list) else [str(targets)],
         size_bytes=adapter.size_bytes, pulled_at=float(m.get("pulled_at") or 0),
         files=[pb.FileRecord(name=f["name"], size=f["size"], sha256=f["sha256"]) for f in m.get("files", [])],
-        path=str(adapter.path), hand_placed=adapter.hand_placed, state="on_disk",
+        path=str(adapter.path), hand_placed=adapter.hand_placed, state="ready", tier="disk", slot=-1,
     )
 
 

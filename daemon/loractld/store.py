@@ -85,11 +85,7 @@ class Store:
         for leftover in self.tmp.iterdir():
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
             removed.append(str(leftover))
-        referenced = {a.path.name for a in self.list() if not a.hand_placed}
-        for obj in self.objects.iterdir():
-            if obj.name not in referenced:
-                shutil.rmtree(obj, ignore_errors=True)
-                removed.append(str(obj))
+        removed += self.collect_garbage()
         for link in self._links():
             if not link.exists():  # dangling: its object is gone
                 link.unlink()
@@ -218,16 +214,25 @@ class Store:
             entry.parent.mkdir(parents=True, exist_ok=True)
             link_tmp = entry.parent / f".{entry.name}.{uuid.uuid4().hex[:8]}"
             link_tmp.symlink_to(os.path.relpath(obj, entry.parent))
-            old = entry.resolve() if entry.is_symlink() else None
             os.replace(link_tmp, entry)
             _fsync_dir(entry.parent)
         except OSError as e:
             if e.errno == 28:  # ENOSPC
                 raise DiskFull(f"the disk filled up while installing {name!r}") from e
             raise
-        if old is not None and old != obj and old.is_relative_to(self.objects):
-            shutil.rmtree(old, ignore_errors=True)
+        # The replaced revision's folder stays until collect_garbage: a running request may
+        # still need vLLM to reload it from disk.
         return self._load(name, entry)
+
+    def collect_garbage(self, keep: set[str] = frozenset()) -> list[str]:
+        """Delete installed objects no name points to, except the folders in ``keep``."""
+        referenced = {str(a.path) for a in self.list() if not a.hand_placed} | set(keep)
+        removed = []
+        for obj in self.objects.iterdir():
+            if str(obj.resolve()) not in referenced and str(obj) not in referenced:
+                shutil.rmtree(obj, ignore_errors=True)
+                removed.append(str(obj))
+        return removed
 
     def remove(self, name: str) -> StoredAdapter:
         adapter = self.get(name)

@@ -69,7 +69,10 @@ def pull(
 
 
 def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
-    """List the adapters in the store.
+    """List the adapters in the store and where each one is: device, host RAM or disk.
+
+    TIER is what the engine really holds (* = pinned); USED is the last request.
+    loractl show NAME gives the source, base model and files.
 
     Examples:
 
@@ -87,18 +90,30 @@ def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = Fa
     table = Table(box=None, pad_edge=False, header_style="bold")
     # Names are what users copy into the next command: they never get cut; SOURCE gives way.
     table.add_column("NAME", no_wrap=True, min_width=min(40, max(len(a["name"]) for a in adapters)))
-    for column in ("SIZE", "RANK", "REVISION", "SOURCE", "STATE"):
-        table.add_column(column, overflow="ellipsis", no_wrap=True)
+    table.add_column("TIER", no_wrap=True, min_width=7)
+    table.add_column("SIZE", no_wrap=True, min_width=8)
+    table.add_column("RANK", no_wrap=True, min_width=4)
+    table.add_column("REVISION", no_wrap=True, min_width=12)
+    table.add_column("USED", no_wrap=True, min_width=7)
     for a in adapters:
-        state = a["state"] if a["state"] != "failed" else "[red]failed[/]"
-        table.add_row(a["name"], human_bytes(int(a["size_bytes"])), str(a["rank"]), short_revision(a["revision"]),
-                      _short_ref(a), state)
+        tier = a["tier"] + ("*" if a["pinned"] else "")
+        if a["state"] == "failed":
+            tier = "[red]failed[/]"
+        elif a["state"] == "loading":
+            tier = "[yellow]loading[/]"
+        table.add_row(a["name"], tier, human_bytes(int(a["size_bytes"])), str(a["rank"]),
+                      short_revision(a["revision"]), _ago(a["last_used"]))
     stdout.print(table)
 
 
-def _short_ref(adapter: dict[str, Any]) -> str:
-    ref = adapter["ref"].removeprefix("hf://")
-    return ref if len(ref) <= 24 else "…" + ref[-23:]
+def _ago(timestamp: float) -> str:
+    if not timestamp:
+        return "-"
+    seconds = max(0, datetime.datetime.now().timestamp() - timestamp)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
 
 
 def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
@@ -120,6 +135,10 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
     pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
     rows = [
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
+        ("tier", a["tier"] + (f" (slot {a['slot']})" if a["tier"] == "device" else "")
+         + (", pinned" if a["pinned"] else "")),
+        ("requests", f"{a['requests']} (last {_ago(a['last_used'])})"),
+        ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
         ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
         ("revision", a["revision"]), ("base model", a["base_model"] or "-"),
         ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
@@ -134,6 +153,7 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
 
 def rm(
     name: NameArg,
+    force: Annotated[bool, typer.Option("--force", help="Remove even if pinned.")] = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
     json_output: JsonOpt = False,
@@ -144,7 +164,7 @@ def rm(
 
         loractl rm sql-expert/v1
     """
-    reply = with_client(socket, home, lambda client: client.remove(name))
+    reply = with_client(socket, home, lambda client: client.remove(name, force=force))
     if json_output:
         print_json(reply)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, print_json, stdout, with_client
+from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
 
 
 def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
@@ -28,8 +28,12 @@ def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt 
     table.add_row("state", "[green]ready[/]" if info["ready"] else "[yellow]starting[/]")
     table.add_row("model", engine["model"] or "-")
     table.add_row("device", f"{engine['device'] or '-'} ({engine['dtype'] or '-'})")
-    table.add_row("lora slots", f"device {engine['max_loras']}, host {engine['max_cpu_loras']}, "
-                                f"max rank {engine['max_lora_rank']}")
+    cap = info["capacity"]
+    table.add_row("device slots", f"{cap['device_used']} used, {cap['device_slots'] - cap['device_used']} free "
+                                  f"(pins {cap['pins']}/{cap['max_pins']})")
+    table.add_row("host slots", f"{cap['host_used']} used, {cap['host_slots'] - cap['host_used']} free")
+    table.add_row("disk", f"{cap['disk_adapters']} adapters, {human_bytes(int(cap['disk_bytes']))}")
+    table.add_row("max rank", str(cap["max_lora_rank"] or engine["max_lora_rank"]))
     table.add_row("context", f"{engine['max_model_len']} tokens")
     table.add_row("in flight", str(info["requests_in_flight"]))
     table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")

@@ -38,6 +38,30 @@ class LoractlBase(abc.ABC):
     async def Remove(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.RemoveRequest, loractl.v1.loractl_pb2.RemoveReply]') -> None:
         pass
 
+    @abc.abstractmethod
+    async def Load(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.LoadRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Evict(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.EvictRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Pin(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.NameRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Unpin(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.NameRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Events(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.EventsRequest, loractl.v1.loractl_pb2.LifecycleEvent]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Metrics(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.MetricsRequest, loractl.v1.loractl_pb2.MetricsReply]') -> None:
+        pass
+
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
         return {
             '/loractl.v1.Loractl/Status': grpclib.const.Handler(
@@ -75,6 +99,42 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 loractl.v1.loractl_pb2.RemoveRequest,
                 loractl.v1.loractl_pb2.RemoveReply,
+            ),
+            '/loractl.v1.Loractl/Load': grpclib.const.Handler(
+                self.Load,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.LoadRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Evict': grpclib.const.Handler(
+                self.Evict,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.EvictRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Pin': grpclib.const.Handler(
+                self.Pin,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.NameRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Unpin': grpclib.const.Handler(
+                self.Unpin,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.NameRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Events': grpclib.const.Handler(
+                self.Events,
+                grpclib.const.Cardinality.UNARY_STREAM,
+                loractl.v1.loractl_pb2.EventsRequest,
+                loractl.v1.loractl_pb2.LifecycleEvent,
+            ),
+            '/loractl.v1.Loractl/Metrics': grpclib.const.Handler(
+                self.Metrics,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.MetricsRequest,
+                loractl.v1.loractl_pb2.MetricsReply,
             ),
         }
 
@@ -117,4 +177,40 @@ class LoractlStub:
             '/loractl.v1.Loractl/Remove',
             loractl.v1.loractl_pb2.RemoveRequest,
             loractl.v1.loractl_pb2.RemoveReply,
+        )
+        self.Load = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Load',
+            loractl.v1.loractl_pb2.LoadRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Evict = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Evict',
+            loractl.v1.loractl_pb2.EvictRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Pin = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Pin',
+            loractl.v1.loractl_pb2.NameRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Unpin = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Unpin',
+            loractl.v1.loractl_pb2.NameRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Events = grpclib.client.UnaryStreamMethod(
+            channel,
+            '/loractl.v1.Loractl/Events',
+            loractl.v1.loractl_pb2.EventsRequest,
+            loractl.v1.loractl_pb2.LifecycleEvent,
+        )
+        self.Metrics = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Metrics',
+            loractl.v1.loractl_pb2.MetricsRequest,
+            loractl.v1.loractl_pb2.MetricsReply,
         )

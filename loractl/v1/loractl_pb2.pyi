@@ -31,7 +31,7 @@ class EngineConfig(_message.Message):
     def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight")
+    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class StatusReply(_message.Message):
     ENGINE_START_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     socket: str
@@ -50,7 +51,30 @@ class StatusReply(_message.Message):
     engine_start_s: float
     engine: EngineConfig
     requests_in_flight: int
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+    capacity: Capacity
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("device_slots", "device_used", "host_slots", "host_used", "pins", "max_pins", "max_lora_rank", "disk_adapters", "disk_bytes")
+    DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_USED_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    DISK_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device_slots: int
+    device_used: int
+    host_slots: int
+    host_used: int
+    pins: int
+    max_pins: int
+    max_lora_rank: int
+    disk_adapters: int
+    disk_bytes: int
+    def __init__(self, device_slots: _Optional[int] = ..., device_used: _Optional[int] = ..., host_slots: _Optional[int] = ..., host_used: _Optional[int] = ..., pins: _Optional[int] = ..., max_pins: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., disk_adapters: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -157,7 +181,7 @@ class FileRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error")
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +197,12 @@ class Adapter(_message.Message):
     HAND_PLACED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     ref: str
@@ -188,7 +218,13 @@ class Adapter(_message.Message):
     hand_placed: bool
     state: str
     error: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    tier: str
+    pinned: bool
+    slot: int
+    last_used: float
+    requests: int
+    host_bytes: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()
@@ -221,3 +257,52 @@ class RemoveReply(_message.Message):
     adapter: Adapter
     unloaded: bool
     def __init__(self, adapter: _Optional[_Union[Adapter, _Mapping]] = ..., unloaded: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("name", "to")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    to: str
+    def __init__(self, name: _Optional[str] = ..., to: _Optional[str] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ..., **kwargs) -> None: ...
+
+class NameRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class EventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LifecycleEvent(_message.Message):
+    __slots__ = ("kind", "adapter", "reason", "message", "time")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    adapter: str
+    reason: str
+    message: str
+    time: float
+    def __init__(self, kind: _Optional[str] = ..., adapter: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., time: _Optional[float] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,113 @@
+"""Lifecycle events and Prometheus metrics, shared by the tiers, the store and the service.
+
+Events are fanned out to every subscriber (the ``Events`` RPC) and logged; a slow subscriber
+drops its oldest events rather than stalling the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+_log = logging.getLogger("loractld.events")
+
+KINDS = ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK", "LOADED_TO_HOST", "EVICTED_FROM_HOST", "LOADED_TO_DEVICE",
+         "UNLOADED_FROM_DEVICE", "PINNED", "UNPINNED", "FAILED")
+
+
+@dataclass
+class Event:
+    kind: str
+    adapter: str
+    message: str = ""
+    reason: str = ""       # explicit, lru, rm, lazy, preload, ...
+    time: float = field(default_factory=time.time)
+
+
+class EventBus:
+    def __init__(self, backlog: int = 256) -> None:
+        self._subscribers: set[asyncio.Queue] = set()
+        self._backlog = backlog
+
+    def publish(self, event: Event) -> None:
+        assert event.kind in KINDS, event.kind
+        _log.info("%s %s%s", event.kind, event.adapter, f" ({event.reason})" if event.reason else "")
+        for queue in list(self._subscribers):
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(event)
+
+    def subscribe(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue(self._backlog)
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._subscribers.discard(queue)
+
+
+class Metrics:
+    """Counters, gauges and histograms, rendered in the Prometheus text format."""
+
+    LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self) -> None:
+        self.counters: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.gauges: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
+        self._hist: dict[tuple, list] = {}
+
+    def inc(self, name: str, labels: tuple = (), by: float = 1) -> None:
+        self.counters[name][labels] += by
+
+    def set(self, name: str, labels: tuple, value: float) -> None:
+        self.gauges[name][labels] = value
+
+    def observe(self, name: str, labels: tuple, value: float) -> None:
+        counts, total = self._hist.setdefault((name, labels), [[0] * (len(self.LOAD_BUCKETS) + 1), 0.0])
+        counts[bisect.bisect_left(self.LOAD_BUCKETS, value)] += 1
+        self._hist[(name, labels)][1] = total + value
+
+    HELP = {
+        "loractl_adapter_load_seconds": ("histogram", "Time to load an adapter into a tier."),
+        "loractl_adapter_loads_total": ("counter", "Adapters loaded into a tier."),
+        "loractl_adapter_evictions_total": ("counter", "Adapters that left a tier, by reason."),
+        "loractl_adapter_load_failures_total": ("counter", "Adapter loads that failed."),
+        "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),
+        "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
+        "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
+    }
+
+    def render(self) -> str:
+        lines = []
+        names = sorted(set(self.counters) | set(self.gauges) | {n for n, _ in self._hist} | set(self.HELP))
+        for name in names:
+            kind, help_text = self.HELP.get(name, ("untyped", name))
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            for labels, value in sorted(self.counters.get(name, {}).items()):
+                lines.append(f"{name}{_labels(labels)} {value:g}")
+            for labels, value in sorted(self.gauges.get(name, {}).items()):
+                lines.append(f"{name}{_labels(labels)} {value:g}")
+            for (hname, labels), (counts, total) in sorted(self._hist.items()):
+                if hname != name:
+                    continue
+                running = 0
+                for bound, count in zip((*self.LOAD_BUCKETS, float("inf")), counts):
+                    running += count
+                    le = "+Inf" if bound == float("inf") else f"{bound:g}"
+                    lines.append(f"{name}_bucket{_labels(labels + (('le', le),))} {running}")
+                lines.append(f"{name}_sum{_labels(labels)} {total:g}")
+                lines.append(f"{name}_count{_labels(labels)} {running}")
+        return "\n".join(lines) + "\n"
+
+
+def _labels(labels: tuple) -> str:
+    if not labels:
+        return ""
+    def escape(value) -> str:
+        return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return "{" + ",".join(f'{k}="{escape(v)}"' for k, v in labels) + "}"

@@ -1,0 +1,275 @@
+"""The tiers: load, evict, pin and preload across disk -> host -> device, on vLLM's own caches.
+
+vLLM already keeps the two upper tiers (``max_cpu_loras`` host LRU, ``max_loras`` device
+slots) and pins in both; this module is the policy and the bookkeeping around them, never a
+parallel cache:
+
+- every operation acts on the engine, then re-reads the engine's true state (``sync``);
+  residency reported to users is that state, never this module's guess;
+- lifecycle events and metrics come from the difference between two true states, so LRU
+  evictions and lazy loads that vLLM does inside a step are reported too;
+- pins are capped at ``max_loras - 1``: with every slot pinned, a request for another adapter
+  kills vLLM's engine ("All items are pinned");
+- pins persist (``state.json``) and, with the preload list, are applied before the daemon
+  reports ready.
+
+The engine is passed in, so the policy can be driven by a fault-injecting stand-in in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from loractl.errors import InvalidRequest, LoractlError
+from loractld.adapters import AdapterRef, AdapterResolver
+from loractld.events import Event, EventBus, Metrics
+from loractld.store import write_json_atomic
+
+_log = logging.getLogger("loractld.tiers")
+TIERS = ("device", "host", "disk")
+
+
+class TierEngine(Protocol):
+    async def lora_state(self) -> dict: ...
+    async def add_adapter(self, adapter: AdapterRef) -> bool: ...
+    async def pin_adapter(self, engine_id: int) -> bool: ...
+    async def unpin_adapter(self, engine_id: int) -> bool: ...
+    async def deactivate_adapter(self, engine_id: int) -> bool: ...
+    async def remove_adapter(self, engine_id: int) -> bool: ...
+
+
+@dataclass
+class Residency:
+    tier: str = "disk"
+    pinned: bool = False
+    slot: int = -1
+    host_bytes: int = 0
+
+
+@dataclass
+class Usage:
+    requests: int = 0
+    last_used: float = 0.0
+    state: str = "ready"     # loading, ready, failed
+    error: str = ""
+
+
+@dataclass
+class EngineState:
+    host: list[int] = field(default_factory=list)
+    device: list[int] = field(default_factory=list)
+    slots: list[int | None] = field(default_factory=list)
+    pinned: set[int] = field(default_factory=set)
+    host_bytes: dict[int, int] = field(default_factory=dict)
+    host_capacity: int = 0
+    device_capacity: int = 0
+
+    @classmethod
+    def from_worker(cls, raw: dict) -> EngineState:
+        return cls(host=list(raw.get("host", [])), device=list(raw.get("device", [])),
+                   slots=list(raw.get("slots", [])), pinned=set(raw.get("pinned_host", [])),
+                   host_bytes={int(k): int(v) for k, v in raw.get("host_bytes", {}).items()},
+                   host_capacity=int(raw.get("host_capacity", 0)), device_capacity=int(raw.get("device_capacity", 0)))
+
+    def residency(self, engine_id: int) -> Residency:
+        if engine_id in self.device:
+            tier = "device"
+        elif engine_id in self.host:
+            tier = "host"
+        else:
+            return Residency()
+        slot = self.slots.index(engine_id) if engine_id in self.slots else -1
+        return Residency(tier, engine_id in self.pinned, slot, self.host_bytes.get(engine_id, 0))
+
+
+class PersistentState:
+    """Pins, by adapter name, in ``state.json`` (written atomically)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pins: list[str] = []
+        if path.is_file():
+            try:
+                self.pins = list(json.loads(path.read_text()).get("pins", []))
+            except (ValueError, AttributeError) as e:
+                _log.warning("ignoring unreadable %s: %s", path, e)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, {"pins": self.pins})
+
+
+class Tiers:
+    def __init__(self, engine: TierEngine, resolver: AdapterResolver, state: PersistentState, events: EventBus,
+                 metrics: Metrics, *, max_loras: int) -> None:
+        self.engine = engine
+        self.resolver = resolver
+        self.state = state
+        self.events = events
+        self.metrics = metrics
+        self.max_loras = max_loras
+        self.usage: dict[str, Usage] = {}
+        self._last = EngineState()
+        self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
+        self._lock = asyncio.Lock()
+
+    # -- reading ------------------------------------------------------------------------
+    async def sync(self) -> EngineState:
+        """Re-read the engine's state; publish what changed since the last read."""
+        now = EngineState.from_worker(await self.engine.lora_state())
+        before = self._last
+        self._last = now
+        for tier, old, new in (("host", before.host, now.host), ("device", before.device, now.device)):
+            for engine_id in [i for i in new if i not in old]:
+                reason = self._reasons.pop((engine_id, tier), "lazy")
+                self.events.publish(Event(f"LOADED_TO_{tier.upper()}", self._label(engine_id), reason=reason))
+                if reason == "lazy":
+                    self.metrics.inc("loractl_adapter_loads_total", (("tier", tier),))
+            for engine_id in [i for i in old if i not in new]:
+                reason = self._reasons.pop((engine_id, tier), "lru")
+                kind = "EVICTED_FROM_HOST" if tier == "host" else "UNLOADED_FROM_DEVICE"
+                self.events.publish(Event(kind, self._label(engine_id), reason=reason))
+                self.metrics.inc("loractl_adapter_evictions_total", (("reason", reason), ("tier", tier)))
+        for tier, ids in (("host", now.host), ("device", now.device)):
+            self.metrics.set("loractl_tier_adapters", (("tier", tier),), len(ids))
+            self.metrics.set("loractl_tier_bytes", (("tier", tier),), sum(now.host_bytes.get(i, 0) for i in ids))
+        return now
+
+    def _label(self, engine_id: int) -> str:
+        return self.resolver.label_of(engine_id) or f"#{engine_id}"
+
+    async def residency(self, adapter: AdapterRef) -> Residency:
+        return (await self.sync()).residency(adapter.engine_id)
+
+    def pinned_names(self) -> list[str]:
+        return list(self.state.pins)
+
+    # -- usage, from the service ----------------------------------------------------------
+    def note_request(self, name: str) -> None:
+        usage = self.usage.setdefault(name, Usage())
+        usage.requests += 1
+        usage.last_used = time.time()
+        self.metrics.inc("loractl_adapter_requests_total", (("adapter", name),))
+
+    # -- operations -----------------------------------------------------------------------
+    async def load(self, name: str, to: str = "device", *, reason: str = "explicit") -> Residency:
+        if to not in ("device", "host"):
+            raise InvalidRequest(f"cannot load to {to!r}", "Use --to device or --to host.")
+        adapter = self.resolver.resolve(name)
+        async with self._lock:
+            usage = self.usage.setdefault(name, Usage())
+            usage.state, usage.error = "loading", ""
+            before = self._last.residency(adapter.engine_id)
+            began = time.perf_counter()
+            try:
+                for tier in ("host", "device"):
+                    self._reasons[(adapter.engine_id, tier)] = reason
+                await self.engine.add_adapter(adapter)
+                if to == "host":
+                    await self.engine.deactivate_adapter(adapter.engine_id)
+            except Exception as e:
+                usage.state, usage.error = "failed", str(e)
+                self.metrics.inc("loractl_adapter_load_failures_total")
+                self.events.publish(Event("FAILED", name, message=str(e), reason=reason))
+                raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
+            elapsed = time.perf_counter() - began
+            usage.state = "ready"
+            if before.tier != to:
+                self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
+                self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
+            state = await self.sync()
+            self._reasons.clear()
+            return state.residency(adapter.engine_id)
+
+    async def evict(self, name: str, source: str = "device") -> Residency:
+        if source not in ("device", "host"):
+            raise InvalidRequest(f"cannot evict from {source!r}", "Use --from device or --from host.")
+        adapter = self.resolver.resolve(name)
+        async with self._lock:
+            current = (await self.sync()).residency(adapter.engine_id)
+            if current.pinned:
+                raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first: loractl unpin {name}")
+            if source == "device" and current.tier == "device":
+                self._reasons[(adapter.engine_id, "device")] = "explicit"
+                await self.engine.deactivate_adapter(adapter.engine_id)
+            elif source == "host" and current.tier != "disk":
+                for tier in ("host", "device"):
+                    self._reasons[(adapter.engine_id, tier)] = "explicit"
+                await self.engine.remove_adapter(adapter.engine_id)
+            state = await self.sync()
+            self._reasons.clear()
+            return state.residency(adapter.engine_id)
+
+    async def pin(self, name: str, *, reason: str = "explicit") -> Residency:
+        adapter = self.resolver.resolve(name)
+        limit = self.max_loras - 1
+        if name not in self.state.pins and len(self.state.pins) >= limit:
+            raise InvalidRequest(
+                f"cannot pin {name!r}: {len(self.state.pins)} of at most {limit} pins are in use "
+                f"(max_loras - 1: a fully pinned device would stop every other adapter)",
+                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-loras.",
+            )
+        await self.load(name, "device", reason=reason)
+        async with self._lock:
+            await self.engine.pin_adapter(adapter.engine_id)
+            if name not in self.state.pins:
+                self.state.pins.append(name)
+                self.state.save()
+            self.events.publish(Event("PINNED", name, reason=reason))
+            return (await self.sync()).residency(adapter.engine_id)
+
+    async def unpin(self, name: str) -> Residency:
+        adapter = self.resolver.resolve(name)
+        async with self._lock:
+            if name not in self.state.pins:
+                raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
+            await self.engine.unpin_adapter(adapter.engine_id)
+            self.state.pins.remove(name)
+            self.state.save()
+            self.events.publish(Event("UNPINNED", name))
+            return (await self.sync()).residency(adapter.engine_id)
+
+    async def forget(self, name: str, adapter: AdapterRef) -> bool:
+        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded."""
+        async with self._lock:
+            if name in self.state.pins:
+                await self.engine.unpin_adapter(adapter.engine_id)
+                self.state.pins.remove(name)
+                self.state.save()
+                self.events.publish(Event("UNPINNED", name, reason="rm"))
+            for tier in ("host", "device"):
+                self._reasons[(adapter.engine_id, tier)] = "rm"
+            removed = await self.engine.remove_adapter(adapter.engine_id)
+            await self.sync()
+            self._reasons.clear()
+            self.usage.pop(name, None)
+            return removed
+
+    async def apply_startup(self, preload: list[str]) -> list[str]:
+        """Re-pin the persisted pins, then load the preload list; return the failures.
+
+        A pin or preload that fails (the adapter was removed, or no longer validates) is
+        reported and skipped: it never keeps the daemon from serving the others.
+        """
+        failures = []
+        for name in list(self.state.pins):
+            try:
+                await self.pin(name, reason="restart")
+            except LoractlError as e:
+                failures.append(f"pin {name}: {e.message}")
+                self.events.publish(Event("FAILED", name, message=e.message, reason="restart"))
+        for name in preload:
+            if name in self.state.pins:
+                continue
+            try:
+                await self.load(name, "device", reason="preload")
+            except LoractlError as e:
+                failures.append(f"preload {name}: {e.message}")
+                self.events.publish(Event("FAILED", name, message=e.message, reason="preload"))
+        return failures

@@ -1,0 +1,131 @@
+"""The tiers: ``loractl load``, ``evict``, ``pin``, ``unpin``, ``events``, ``metrics``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
+from loractl.client import Client
+
+NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).")]
+
+
+class Tier(str, Enum):
+    device = "device"
+    host = "host"
+
+
+def describe_residency(a: dict[str, Any]) -> str:
+    where = {"device": f"on device (slot {a['slot']})", "host": "in host RAM", "disk": "on disk only"}[a["tier"]]
+    extra = f", {human_bytes(int(a['host_bytes']))} in RAM" if int(a["host_bytes"]) else ""
+    return f"{a['name']}: {where}{extra}" + (", pinned" if a["pinned"] else "")
+
+
+def _report(result: dict[str, Any], json_output: bool) -> None:
+    if json_output:
+        print_json(result)
+    else:
+        stdout.print(describe_residency(result))
+
+
+def load(name: NameArg, to: Annotated[Tier, typer.Option("--to", help="Target tier.")] = Tier.device,
+         socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Load a stored adapter onto the device (default) or into host RAM.
+
+    Examples:
+
+        loractl load sql-expert/v1
+
+        loractl load sql-expert/v1 --to host
+    """
+    _report(with_client(socket, home, lambda c: c.load(name, to=to.value)), json_output)
+
+
+def evict(name: NameArg,
+          source: Annotated[Tier, typer.Option("--from", help="device: the host copy stays; host: frees RAM, "
+                                                              "the disk copy stays.")] = Tier.device,
+          socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Evict an adapter from the device (default) or from host RAM.
+
+    Examples:
+
+        loractl evict sql-expert/v1
+
+        loractl evict sql-expert/v1 --from host
+    """
+    _report(with_client(socket, home, lambda c: c.evict(name, source=source.value)), json_output)
+
+
+def pin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Pin an adapter on the device, so it is never evicted; pins survive restarts.
+
+    At most max_loras - 1 adapters can be pinned, so other adapters always have a slot.
+
+    Examples:
+
+        loractl pin sql-expert/v1
+    """
+    _report(with_client(socket, home, lambda c: c.pin(name)), json_output)
+
+
+def unpin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Unpin an adapter: it stays loaded, but LRU may evict it again.
+
+    Examples:
+
+        loractl unpin sql-expert/v1
+    """
+    _report(with_client(socket, home, lambda c: c.unpin(name)), json_output)
+
+
+def events(
+    count: Annotated[int, typer.Option("--count", "-n", min=0, help="Stop after this many events (0: never).")] = 0,
+    socket: SocketOpt = None, home: HomeOpt = None,
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+) -> None:
+    """Follow lifecycle events: pulls, loads, evictions, pins, failures.
+
+    Examples:
+
+        loractl events
+
+        loractl events --json -n 10
+    """
+
+    async def follow(client: Client) -> None:
+        seen = 0
+        async for event in client.events():
+            if json_output:
+                sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
+            else:
+                when = datetime.datetime.fromtimestamp(event["time"]).strftime("%H:%M:%S")
+                reason = f" ({event['reason']})" if event["reason"] else ""
+                stdout.print(f"{when} {event['kind']:<21} {event['adapter']}{reason}"
+                             + (f": {event['message']}" if event["message"] else ""))
+            sys.stdout.flush()
+            seen += 1
+            if count and seen >= count:
+                return
+
+    with_client(socket, home, follow)
+
+
+def metrics(socket: SocketOpt = None, home: HomeOpt = None) -> None:
+    """Print the daemon's metrics in the Prometheus text format.
+
+    Examples:
+
+        loractl metrics | grep loractl_adapter_loads_total
+    """
+    sys.stdout.write(with_client(socket, home, lambda c: c.metrics()))
+
+
+def register(app: typer.Typer) -> None:
+    for command in (load, evict, pin, unpin, events, metrics):
+        app.command(command.__name__)(command)

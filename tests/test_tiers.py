@@ -1,0 +1,177 @@
+"""Tiers on the real engine (max_loras=2, max_cpu_loras=3, four adapters): load, evict, pin,
+unpin, rm and requests in random order; after every step the listing must equal an
+independent model of vLLM's LRU tiers, and every generation must equal its reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from conftest import collect, run_cli, start_daemon
+from test_errors import assert_one_error
+from vllm_lru_model import VllmTiers
+
+NAMES = ["sql-expert/v1", "python-expert/v1", "poet/v1", "translator/v1"]
+
+
+@pytest.fixture(scope="module")
+def tiered(home):
+    """A daemon of its own: pins persist, so this module must not share state with others."""
+    sub = home / "tiers"
+    sub.mkdir(exist_ok=True)
+    (sub / "demo").symlink_to(home / "demo")
+    d = start_daemon(sub, name="t")
+    for name in NAMES:
+        result = run_cli("pull", str(home / "demo" / "adapters" / name), "--name", name, "--socket", str(d.socket))
+        assert result.returncode == 0, result.stderr
+    yield d
+    d.stop()
+
+
+def listing(d) -> dict[str, dict]:
+    result = run_cli("ls", "--json", "--socket", str(d.socket))
+    assert result.returncode == 0, result.stderr
+    return {a["name"]: a for a in json.loads(result.stdout)}
+
+
+def cli(d, *args):
+    result = run_cli(*args, "--socket", str(d.socket))
+    assert result.returncode == 0, (args, result.stderr)
+    return result
+
+
+def test_random_sequences_keep_the_listing_true(tiered, home, reference):
+    rng = random.Random(20261122)
+    model = VllmTiers(device_slots=2, host_slots=3)
+    pins: list[str] = []
+    demo = home / "demo" / "adapters"
+    log = []
+    for step in range(40):
+        op = rng.choice(["load", "load_host", "evict", "evict_host", "pin", "unpin", "request", "request", "rm"])
+        name = rng.choice(NAMES)
+        log.append((op, name))
+        if op == "load":
+            cli(tiered, "load", name)
+            model.add(name)
+        elif op == "load_host":
+            cli(tiered, "load", name, "--to", "host")
+            model.add(name)
+            model.deactivate(name)
+        elif op in ("evict", "evict_host"):
+            result = run_cli("evict", name, "--from", "device" if op == "evict" else "host",
+                             "--socket", str(tiered.socket))
+            if name in pins:
+                assert_one_error(result, 2, "is pinned", f"loractl unpin {name}")
+            else:
+                assert result.returncode == 0, result.stderr
+                model.deactivate(name) if op == "evict" else model.remove(name)
+        elif op == "pin":
+            result = run_cli("pin", name, "--socket", str(tiered.socket))
+            if name not in pins and len(pins) >= 1:
+                assert_one_error(result, 2, "at most 1 pins", "--max-loras")
+            else:
+                assert result.returncode == 0, result.stderr
+                model.add(name)
+                model.pin(name)
+                pins = sorted(set(pins) | {name})
+        elif op == "unpin":
+            result = run_cli("unpin", name, "--socket", str(tiered.socket))
+            if name in pins:
+                assert result.returncode == 0, result.stderr
+                model.unpin(name)
+                pins.remove(name)
+            else:
+                assert_one_error(result, 2, "is not pinned")
+        elif op == "request":
+            out = cli(tiered, "run", "--lora", name, "-t", "0", "-n", "8", "hi")
+            expected = reference.greedy(reference.chat_ids("hi"), demo / name, 8)
+            assert out.stdout == reference.text(expected) + "\n", log
+            model.add(name)
+        elif op == "rm":
+            cli(tiered, "rm", name, "--force")
+            model.remove(name)
+            if name in pins:
+                pins.remove(name)
+            assert name not in listing(tiered)
+            cli(tiered, "pull", str(demo / name), "--name", name)
+
+        listed = listing(tiered)
+        for n in NAMES:
+            assert listed[n]["tier"] == model.tier(n), (step, n, log)
+            assert listed[n]["pinned"] == (n in pins), (step, n, log)
+        on_device = [n for n in NAMES if listed[n]["tier"] == "device"]
+        assert len(on_device) <= 2 and sum(listed[n]["tier"] != "disk" for n in NAMES) <= 3
+        slots = sorted(listed[n]["slot"] for n in on_device)
+        assert len(set(slots)) == len(slots) and all(0 <= s < 2 for s in slots)
+    for name in pins:
+        cli(tiered, "unpin", name)
+
+
+def test_status_reports_capacity(tiered):
+    cli(tiered, "load", NAMES[0])
+    info = json.loads(cli(tiered, "status", "--json").stdout)
+    cap = info["capacity"]
+    assert cap["device_slots"] == 2 and cap["host_slots"] == 3 and cap["max_pins"] == 1
+    assert 1 <= cap["device_used"] <= 2 and cap["device_used"] <= cap["host_used"] <= 3
+    assert cap["disk_adapters"] == 4 and cap["max_lora_rank"] == 16
+
+
+def test_usage_and_metrics(tiered):
+    before = listing(tiered)[NAMES[2]]["requests"]
+    cli(tiered, "run", "--lora", NAMES[2], "-t", "0", "-n", "4", "hi")
+    after = listing(tiered)[NAMES[2]]
+    assert int(after["requests"]) == int(before) + 1 and after["last_used"] > 0
+    text = cli(tiered, "metrics").stdout
+    assert f'loractl_adapter_requests_total{{adapter="{NAMES[2]}"}}' in text
+    for family in ("loractl_adapter_load_seconds_bucket", "loractl_adapter_loads_total",
+                   "loractl_adapter_evictions_total", "loractl_tier_bytes{tier=\"disk\"}",
+                   "loractl_tier_adapters{tier=\"device\"}"):
+        assert family in text, family
+
+
+def test_events_stream_lifecycle(tiered):
+    async def go():
+        async with tiered.client() as client:
+            received = []
+
+            async def follow():
+                async for event in client.events():
+                    received.append(event)
+                    if event["kind"] == "UNPINNED":
+                        return
+
+            task = asyncio.create_task(follow())
+            await asyncio.sleep(0.3)
+            await client.evict(NAMES[3], source="host")
+            await client.pin(NAMES[3])
+            await client.unpin(NAMES[3])
+            await asyncio.wait_for(task, 30)
+            return received
+
+    events = asyncio.run(go())
+    kinds = [(e["kind"], e["adapter"]) for e in events if e["adapter"] == NAMES[3]]
+    assert ("LOADED_TO_HOST", NAMES[3]) in kinds and ("LOADED_TO_DEVICE", NAMES[3]) in kinds
+    assert kinds.index(("PINNED", NAMES[3])) < kinds.index(("UNPINNED", NAMES[3]))
+
+
+def test_pins_and_preload_survive_a_restart(tiered, home):
+    cli(tiered, "pin", NAMES[1])
+    tiered.stop()
+    d = start_daemon(tiered.home, "--preload", NAMES[0], "--preload", "no-such/v1", name="t")
+    tiered.proc, tiered.log = d.proc, d.log
+    listed = listing(d)
+    assert listed[NAMES[1]]["tier"] == "device" and listed[NAMES[1]]["pinned"]
+    assert listed[NAMES[0]]["tier"] == "device" and not listed[NAMES[0]]["pinned"]
+    assert "preload no-such/v1" in d.log_tail(200)  # reported, and the daemon still came up
+    cli(d, "unpin", NAMES[1])
+
+
+def test_tier_errors(tiered):
+    assert_one_error(run_cli("load", "nope/v1", "--socket", str(tiered.socket)), 4, "no adapter named 'nope/v1'")
+    assert_one_error(run_cli("unpin", NAMES[0], "--socket", str(tiered.socket)), 2, "is not pinned")
+    cli(tiered, "pin", NAMES[0])
+    assert_one_error(run_cli("rm", NAMES[0], "--socket", str(tiered.socket)), 2, "is pinned", "--force")
+    cli(tiered, "unpin", NAMES[0])
