@@ -58,7 +58,7 @@ def test_show_reports_the_manifest(daemon, demo):
     for f in info["files"]:
         data = (src / f["name"]).read_bytes()
         assert int(f["size"]) == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
-    assert info["revision"].startswith("sha256:") and info["state"] == "on_disk"
+    assert info["revision"].startswith("sha256:") and info["state"] == "ready" and info["tier"] == "disk"
     human = cli(daemon, "show", "show-me/v1")
     assert human.returncode == 0 and "loractl/demo-tiny-llama" in human.stdout
 
@@ -124,7 +124,7 @@ def test_hand_placed_adapters_are_discovered(daemon, demo):
     shutil.copytree(demo / "adapters" / "translator" / "v1", folder)
     (folder / "metadata.json").write_text(json.dumps({"description": "placed by hand"}))
     listed = {a["name"]: a for a in json.loads(cli(daemon, "ls", "--json").stdout)}
-    assert listed["handmade/v2"]["hand_placed"] is True and listed["handmade/v2"]["state"] == "on_disk"
+    assert listed["handmade/v2"]["hand_placed"] is True and listed["handmade/v2"]["state"] == "ready"
     assert listed["handmade/v2"]["rank"] == 16
     out = cli(daemon, "run", "--lora", "handmade/v2", "-t", "0", "-n", "8", "hi")
     assert out.returncode == 0, out.stderr

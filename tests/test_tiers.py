@@ -175,3 +175,81 @@ def test_tier_errors(tiered):
     cli(tiered, "pin", NAMES[0])
     assert_one_error(run_cli("rm", NAMES[0], "--socket", str(tiered.socket)), 2, "is pinned", "--force")
     cli(tiered, "unpin", NAMES[0])
+
+
+def test_tier_changes_during_streams_never_change_outputs(tiered, home, reference):
+    """Loads, evictions, pins and a refused rm while three generations stream: every output
+    still equals its reference, and a request for a missing adapter fails alone."""
+    demo = home / "demo" / "adapters"
+    n = 48
+    streams = [None, NAMES[0], NAMES[1]]
+    prompt = "How do I reverse a list in Python?"
+
+    async def go():
+        async with tiered.client() as client:
+            async def one(name):
+                return await collect(client, messages=[{"role": "user", "content": prompt}], lora=name,
+                                     max_tokens=n, min_tokens=n, temperature=0.0)
+
+            tasks = [asyncio.create_task(one(name)) for name in streams]
+            await asyncio.sleep(0.05)
+            churn = [
+                client.evict(NAMES[0]), client.load(NAMES[2], to="host"), client.pin(NAMES[1]),
+                client.load(NAMES[3]), client.evict(NAMES[3], source="host"), client.unpin(NAMES[1]),
+            ]
+            errors = []
+            for op in churn:
+                try:
+                    await op
+                except Exception as e:  # noqa: BLE001 - collected and asserted below
+                    errors.append(e)
+            try:
+                await client.remove(NAMES[0])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            missing = asyncio.create_task(one("no-such/v1"))
+            results = await asyncio.gather(*tasks)
+            missing_error = await asyncio.gather(missing, return_exceptions=True)
+            return results, errors, missing_error[0]
+
+    results, errors, missing_error = asyncio.run(go())
+    ids = reference.chat_ids(prompt)
+    for name, got in zip(streams, results):
+        assert got["ids"] == reference.greedy(ids, demo / name if name else None, n, n), name
+    # Only the rm of an adapter that was streaming is refused, with a clear reason.
+    assert len(errors) <= 1 and all("is serving" in str(e) for e in errors), errors
+    assert "no adapter named 'no-such/v1'" in str(missing_error)
+    assert NAMES[0] in listing(tiered)
+
+
+def test_a_new_revision_serves_new_requests_while_old_ones_finish(tiered, home, reference, tmp_path):
+    """KV-cache safety with prefix caching on: a re-pull under the same name reaches new
+    requests with the new weights, while a request in flight finishes on the old ones."""
+    from adapter_factory import good
+
+    old, new = good(home / "demo", tmp_path / "old", name="rev-old"), good(home / "demo", tmp_path / "new",
+                                                                           name="rev-new")
+    cli(tiered, "pull", str(old), "--name", "moving/v1")
+    prompt = "Write a query that lists every user"
+    n = 128
+
+    async def go():
+        async with tiered.client() as client:
+            async def one():
+                return await collect(client, messages=[{"role": "user", "content": prompt}], lora="moving/v1",
+                                     max_tokens=n, min_tokens=n, temperature=0.0)
+
+            warm = await one()  # fills the prefix cache under the old revision
+            in_flight = asyncio.create_task(one())
+            await asyncio.sleep(0.05)
+            async for _ in client.pull(str(new), name="moving/v1"):
+                pass
+            after = await one()
+            return warm, await in_flight, after
+
+    warm, in_flight, after = asyncio.run(go())
+    ids = reference.chat_ids(prompt)
+    expected_old = reference.greedy(ids, old, n, n)
+    assert warm["ids"] == expected_old and in_flight["ids"] == expected_old
+    assert after["ids"] == reference.greedy(ids, new, n, n) != expected_old
+    assert after["adapter"] != in_flight["adapter"]  # a new engine identity for the new content
