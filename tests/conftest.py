@@ -123,8 +123,10 @@ class Reference:
         self._cache: dict = {}
 
     def chat_ids(self, user_text: str) -> list[int]:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
-                                                  add_generation_prompt=True, tokenize=False)
+        return self.messages_ids([{"role": "user", "content": user_text}])
+
+    def messages_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def greedy(self, prompt_ids: list[int], adapter: Path | None, max_new: int, min_new: int = 0) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from loractl import __version__
-from loractl.cli import adapters, run, status, tiers
+from loractl.cli import adapters, chat, run, status, tiers
 
 app = typer.Typer(
     name="loractl",
@@ -17,7 +17,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (adapters, tiers, run, status):
+for module in (adapters, tiers, run, chat, status):
     module.register(app)
 
 

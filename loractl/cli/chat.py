@@ -1,0 +1,177 @@
+"""``loractl chat``: a multi-turn conversation, with the adapter switchable mid-conversation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from loractl import paths
+from loractl.cli._common import HomeOpt, SocketOpt, fail, stderr
+from loractl.client import Client
+from loractl.errors import LoractlError
+
+HELP = """\
+/lora NAME   answer with adapter NAME from now on (the conversation is kept)
+/lora        back to the base model
+/reset       forget the conversation (keeps the adapter and system prompt)
+/help        this help
+/exit        leave (also Ctrl-D); Ctrl-C stops the current reply"""
+
+
+class Conversation:
+    """The messages so far and the adapter that answers; plain data, easy to test."""
+
+    def __init__(self, system: str | None, lora: str | None) -> None:
+        self.system = system
+        self.lora = lora
+        self.turns: list[dict[str, str]] = []
+
+    def messages(self, user_text: str) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns + [{"role": "user", "content": user_text}]
+
+    def record(self, user_text: str, reply: str) -> None:
+        self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
+
+
+async def _reply(client: Client, convo: Conversation, text: str, max_tokens: int, temperature: float,
+                 echo: bool) -> str:
+    parts: list[str] = []
+    try:
+        async for chunk in client.generate(messages=convo.messages(text), lora=convo.lora, max_tokens=max_tokens,
+                                           temperature=temperature):
+            if chunk.text:
+                parts.append(chunk.text)
+                if echo:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+    finally:
+        # An interrupted reply is kept as far as it went, like a person cut off mid-sentence.
+        convo.record(text, "".join(parts))
+    return "".join(parts)
+
+
+def _enable_line_editing() -> None:
+    try:
+        import readline
+    except ImportError:  # not every Python has it; input() still works
+        return
+    history = paths.layout().state_dir / "chat_history"
+    try:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        if history.exists():
+            readline.read_history_file(history)
+        readline.set_history_length(1000)
+        import atexit
+
+        atexit.register(_save_history, readline, history)
+    except OSError:
+        pass
+
+
+def _save_history(readline, history: Path) -> None:
+    try:
+        readline.write_history_file(history)
+    except OSError:
+        pass
+
+
+def chat(
+    lora: Annotated[str | None, typer.Option("--lora", "-l", help="Adapter to start with (store name or folder).")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens per reply.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+) -> None:
+    """Chat with the base model or an adapter; switch adapters mid-conversation with /lora.
+
+    In a terminal: line editing and history, /help lists the in-chat commands, Ctrl-C stops
+    the current reply. With stdin not a terminal, reads one message from stdin and prints
+    only the reply, so it scripts well.
+
+    Examples:
+
+        loractl chat --lora sql-expert/v1
+
+        echo "Write a query that counts users" | loractl chat --lora sql-expert/v1
+    """
+    convo = Conversation(system, lora)
+    with asyncio.Runner() as runner:
+        client = Client(socket, home=home)
+        try:
+            if not sys.stdin.isatty():
+                text = sys.stdin.read().strip()
+                if not text:
+                    raise fail(LoractlError("nothing to say: stdin was empty", "Pipe a message into loractl chat."))
+                runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
+                sys.stdout.write("\n")
+                return
+            runner.run(client.status())  # fail fast, with the usual hint, when no daemon is up
+            _interactive(runner, client, convo, max_tokens, temperature)
+        except LoractlError as e:
+            if os.environ.get("LORACTL_DEBUG"):
+                raise
+            raise fail(e) from None
+        finally:
+            client.close()
+
+
+def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, max_tokens: int,
+                 temperature: float) -> None:
+    _enable_line_editing()
+    stderr.print(f"[dim]chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave[/]")
+    while True:
+        try:
+            text = input(">>> ").strip()
+        except EOFError:
+            sys.stdout.write("\n")
+            return
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            continue
+        try:
+            if _turn(runner, client, convo, text, max_tokens, temperature) == "exit":
+                return
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            stderr.print("[dim](stopped)[/]")
+
+
+def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str, max_tokens: int,
+          temperature: float) -> str | None:
+    if not text:
+        return None
+    if text.startswith("/"):
+        command, _, arg = text.partition(" ")
+        if command in ("/exit", "/quit", "/bye"):
+            return "exit"
+        if command == "/help":
+            stderr.print(HELP, markup=False)
+        elif command == "/reset":
+            convo.turns.clear()
+            stderr.print("[dim]conversation cleared[/]")
+        elif command == "/lora":
+            convo.lora = arg.strip() or None
+            stderr.print(f"[dim]now answering with {convo.lora or 'the base model'}[/]")
+        else:
+            stderr.print(f"[red]unknown command {command}[/]; /help lists them")
+        return None
+    try:
+        runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
+        sys.stdout.write("\n")
+    except LoractlError as e:
+        # One failed turn (say, an unknown adapter) must not end the session.
+        convo.turns = convo.turns[:-2]
+        stderr.print(f"[bold red]error:[/] {e.message}")
+        stderr.print(f"[dim]hint:[/] {e.hint}")
+    return None
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)
