@@ -55,7 +55,12 @@ class Client:
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, *, home: str | None = None,
-                 timeout: float | None = None) -> None:
+                 instance: str | None = None, timeout: float | None = None) -> None:
+        self.home = home
+        self.instance = instance or os.environ.get("LORACTL_INSTANCE") or None
+        # An explicit socket (argument or LORACTL_SOCKET) wins; otherwise the registry decides
+        # at first use, and this default is where a single local daemon listens.
+        self._explicit = bool(socket or os.environ.get("LORACTL_SOCKET"))
         self.socket_path = paths.socket_path(socket, home)
         self.timeout = timeout
         self._channel: Channel | None = None
@@ -71,6 +76,39 @@ class Client:
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
+
+    def _discover(self, prefer_adapter: str | None = None) -> None:
+        """Pick the daemon: ``--instance``, else the only ready one, else the one holding
+        ``prefer_adapter`` on device, else the default socket if it is among them."""
+        if self._explicit:
+            return
+        from loractl.registry import ServiceDiscovery
+
+        ready = [i for i in ServiceDiscovery(home=self.home).list_instances("loractl", "loractld")
+                 if i.status == "ready"]
+        if self.instance:
+            chosen = [i for i in ready if i.instance_id == self.instance]
+            if not chosen:
+                raise DaemonNotRunning(f"no ready instance {self.instance!r}",
+                                       "List them with: loractl instances")
+        elif prefer_adapter and len(ready) > 1:
+            chosen = [i for i in ready if prefer_adapter in i.metadata().get("lora", {}).get("loaded_loras", [])]
+            chosen = chosen[:1] or [i for i in ready if i.metadata().get("socket") == str(self.socket_path)]
+        elif len(ready) > 1:
+            chosen = [i for i in ready if i.metadata().get("socket") == str(self.socket_path)]
+            if not chosen:
+                raise InvalidRequest(
+                    f"{len(ready)} daemons are running: {', '.join(i.instance_id for i in ready)}",
+                    "Pick one with --instance ID (loractl instances lists them).")
+        else:
+            chosen = ready
+        if chosen and chosen[0].metadata().get("socket"):
+            self.socket_path = Path(chosen[0].metadata()["socket"])
+
+    def _connect(self, prefer_adapter: str | None = None) -> LoractlStub:
+        if self._stub is None:
+            self._discover(prefer_adapter)
+        return self.stub
 
     @property
     def stub(self) -> LoractlStub:
@@ -93,6 +131,7 @@ class Client:
     async def _errors(self):
         """Translate transport and gRPC failures into domain errors."""
         try:
+            self._connect()
             yield
         except GRPCError as e:
             raise from_wire(e.status, e.message) from e
@@ -148,7 +187,7 @@ class Client:
             lora=lora or "",
         )
         async with self._errors():
-            async with self.stub.Generate.open(timeout=self.timeout) as stream:
+            async with self._connect(prefer_adapter=lora).Generate.open(timeout=self.timeout) as stream:
                 await stream.send_message(request, end=True)
                 async for reply in stream:
                     yield Chunk(
@@ -226,3 +265,11 @@ class Client:
         """The daemon's metrics in the Prometheus text format."""
         async with self._errors():
             return (await self.stub.Metrics(pb.MetricsRequest(), timeout=self.timeout)).text
+
+    def instances(self) -> list[dict[str, Any]]:
+        """The live loractld instances in the registry (no daemon connection needed)."""
+        from loractl.registry import ServiceDiscovery
+
+        return [{"instance_id": i.instance_id, "status": i.status, "pid": i.pid, "host": i.host,
+                 "heartbeat": i.heartbeat, "started": i.started, "metadata": i.metadata()}
+                for i in ServiceDiscovery(home=self.home).list_instances("loractl", "loractld")]

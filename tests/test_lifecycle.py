@@ -95,5 +95,5 @@ def start_daemon_expect_exit(home: Path, *args: str) -> tuple[int, str]:
 def test_bad_flags_fail_fast(home):
     code, err = start_daemon_expect_exit(home, "--max-loras", "4", "--max-cpu-loras", "2",
                                          "--socket", "/tmp/lct-unused.sock")
-    assert code == 1
+    assert code == 2
     assert "--max-cpu-loras (2) is below --max-loras (4)" in err and "hint:" in err

@@ -257,9 +257,6 @@ class Engine:
         if llm is None:
             return
         llm.shutdown()
-        # Drop the last reference now: AsyncLLM.__del__ calls shutdown() again, and at
-        # interpreter exit it would run with module globals already torn down.
-        del llm
-        import gc
-
-        gc.collect()
+        # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit
+        # the module globals it needs are gone (a TypeError printed on every clean stop).
+        llm.shutdown = lambda *args, **kwargs: None

@@ -10,7 +10,7 @@ import re
 import sys
 
 from loractl import __version__
-from loractl.errors import LoractlError
+from loractl.errors import InvalidRequest, LoractlError
 from loractld.engine import EngineSettings
 from loractld.server import DaemonSettings, serve
 
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="base model: a local folder, a Hub repo id, or 'demo'")
     p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
     p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default: auto")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where the engine runs: cuda when a GPU is present under auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="model dtype (default: float32 on CPU, vLLM's choice on CUDA)")
     p.add_argument("--max-loras", type=positive_int, default=2, help="adapter slots on the device (default: 2)")
     p.add_argument("--max-cpu-loras", type=positive_int, default=4,
@@ -71,14 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--log-level", default=os.environ.get("LORACTL_LOG_LEVEL", "INFO"),
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
     p.add_argument("--version", action="version", version=f"loractld {__version__}")
     return p
 
 
 def settings_from(args: argparse.Namespace) -> DaemonSettings:
     if args.max_cpu_loras < args.max_loras:
-        raise LoractlError(
+        raise InvalidRequest(
             f"--max-cpu-loras ({args.max_cpu_loras}) is below --max-loras ({args.max_loras})",
             f"Every adapter on the device is also cached on the host: use --max-cpu-loras {args.max_loras} or more.",
         )
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         if os.environ.get("LORACTL_DEBUG"):
             raise
-        code = 1
+        code = e.exit_code
     sys.exit(code)
 
 

@@ -24,6 +24,7 @@ from loractl.errors import LoractlError
 from loractld.adapters import AdapterResolver
 from loractld.basemodel import describe
 from loractld.engine import Engine, EngineSettings
+from loractld.publisher import Publisher
 from loractld.pulls import Puller
 from loractld.service import Catalog, LoractlService
 from loractld.sources import load_sources
@@ -118,6 +119,8 @@ async def serve(settings: DaemonSettings) -> int:
     finally:
         os.umask(old_umask)
     _log.info("listening on %s", sock_path)
+    publisher = Publisher(service, home=settings.home, socket_path=str(sock_path))
+    _log.info("registered as instance %s", publisher.handle.instance_id())
 
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
@@ -146,15 +149,20 @@ async def serve(settings: DaemonSettings) -> int:
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)
             service.set_engine(engine, tiers)
+            await publisher.refresh()
+            publisher.set_ready(True)
+            publisher.start()
             _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
                       engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
+        publisher.set_ready(False)
         cancelled = await service.drain(settings.shutdown_grace_s)
         if cancelled:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
     finally:
         stop_task.cancel()
+        publisher.close()
         server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), timeout=5)

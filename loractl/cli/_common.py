@@ -33,6 +33,7 @@ HomeOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
 
+
 stdout = Console(highlight=False)  # tables must fit the terminal: no soft wrap here
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 

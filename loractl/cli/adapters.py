@@ -18,7 +18,7 @@ NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (
 
 
 def pull(
-    ref: Annotated[str, typer.Argument(help="org/repo, hf://org/repo[@rev][/subfolder], or a local folder.")],
+    ref: Annotated[str, typer.Argument(help="org/repo, hf://org/repo\\[@rev]\\[/subfolder], or a local folder.")],
     name: Annotated[str | None, typer.Option("--name", help="Store name (default: derived from REF).")] = None,
     revision: Annotated[str | None, typer.Option("--revision", "-r", help="Branch, tag or commit (Hub).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Install even if it names another base model.")] = False,
@@ -119,6 +119,8 @@ def _ago(timestamp: float) -> str:
 def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """Show one adapter: source, revision, base model, rank, files and checksums.
 
+    Also where it is now (device slot, host RAM or disk), whether it is pinned, and its use.
+
     Examples:
 
         loractl show sql-expert/v1
@@ -159,6 +161,8 @@ def rm(
     json_output: JsonOpt = False,
 ) -> None:
     """Delete an adapter from disk (unloading it from the engine first).
+
+    A pinned adapter is refused unless --force; one serving requests is refused until they end.
 
     Examples:
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from loractl import __version__
-from loractl.cli import adapters, chat, run, status, tiers
+from loractl.cli import adapters, chat, instances, run, status, tiers
 
 app = typer.Typer(
     name="loractl",
@@ -17,7 +19,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (adapters, tiers, run, chat, status):
+for module in (adapters, tiers, run, chat, status, instances):
     module.register(app)
 
 
@@ -30,8 +32,11 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+    instance: str = typer.Option(None, "--instance", envvar="LORACTL_INSTANCE", show_envvar=True,
+                                 help="Which daemon, when several run (see loractl instances)."),
 ) -> None:
-    pass
+    if instance:
+        os.environ["LORACTL_INSTANCE"] = instance  # read by every Client this process makes
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ HELP = """\
 /lora        back to the base model
 /reset       forget the conversation (keeps the adapter and system prompt)
 /help        this help
-/exit        leave (also Ctrl-D); Ctrl-C stops the current reply"""
+/exit        leave (also /quit, /bye, Ctrl-D); Ctrl-C stops the current reply"""
 
 
 class Conversation:
@@ -56,12 +56,12 @@ async def _reply(client: Client, convo: Conversation, text: str, max_tokens: int
     return "".join(parts)
 
 
-def _enable_line_editing() -> None:
+def _enable_line_editing(home: str | None) -> None:
     try:
         import readline
     except ImportError:  # not every Python has it; input() still works
         return
-    history = paths.layout().state_dir / "chat_history"
+    history = paths.layout(home).state_dir / "chat_history"
     try:
         history.parent.mkdir(parents=True, exist_ok=True)
         if history.exists():
@@ -113,18 +113,21 @@ def chat(
                 sys.stdout.write("\n")
                 return
             runner.run(client.status())  # fail fast, with the usual hint, when no daemon is up
-            _interactive(runner, client, convo, max_tokens, temperature)
+            _interactive(runner, client, convo, max_tokens, temperature, home)
         except LoractlError as e:
             if os.environ.get("LORACTL_DEBUG"):
                 raise
             raise fail(e) from None
+        except KeyboardInterrupt:
+            stderr.print("interrupted")
+            raise typer.Exit(130) from None
         finally:
             client.close()
 
 
 def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, max_tokens: int,
-                 temperature: float) -> None:
-    _enable_line_editing()
+                 temperature: float, home: str | None) -> None:
+    _enable_line_editing(home)
     stderr.print(f"[dim]chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave[/]")
     while True:
         try:

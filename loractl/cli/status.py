@@ -11,6 +11,8 @@ from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_
 def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """Show the daemon's state: model, device, LoRA capacity, uptime.
 
+    Capacity is read from the engine: device slots and host entries used and free, pins, disk.
+
     Examples:
 
         loractl status

@@ -38,6 +38,8 @@ def load(name: NameArg, to: Annotated[Tier, typer.Option("--to", help="Target ti
          socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """Load a stored adapter onto the device (default) or into host RAM.
 
+    The reply is where the engine really holds it afterwards.
+
     Examples:
 
         loractl load sql-expert/v1
@@ -52,6 +54,8 @@ def evict(name: NameArg,
                                                               "the disk copy stays.")] = Tier.device,
           socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """Evict an adapter from the device (default) or from host RAM.
+
+    From the device, the host copy stays; from host RAM, the disk copy stays. Pinned adapters are refused.
 
     Examples:
 
@@ -77,6 +81,8 @@ def pin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_outp
 def unpin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """Unpin an adapter: it stays loaded, but LRU may evict it again.
 
+    The pin is also dropped from the daemon's saved state, so it is not restored on restart.
+
     Examples:
 
         loractl unpin sql-expert/v1
@@ -90,6 +96,8 @@ def events(
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """Follow lifecycle events: pulls, loads, evictions, pins, failures.
+
+    Evictions vLLM makes on its own (LRU) and lazy loads by requests are reported too.
 
     Examples:
 
@@ -118,6 +126,8 @@ def events(
 
 def metrics(socket: SocketOpt = None, home: HomeOpt = None) -> None:
     """Print the daemon's metrics in the Prometheus text format.
+
+    Load-time histograms by tier, loads and evictions by tier and reason, requests per adapter, bytes per tier.
 
     Examples:
 

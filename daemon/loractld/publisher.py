@@ -1,0 +1,92 @@
+"""Keeps this daemon's service-registry entry current.
+
+The entry's metadata speaks the seeds' LoRA schema (``lora.enabled``, ``max_loras``,
+``max_lora_rank``, ``available_loras`` with their state, ``loaded_loras``,
+``capacity.loaded_count`` and ``available_slots``), which is what a router reads to send a
+request to the instance that already holds the adapter on device. It is rewritten whenever a
+lifecycle event fires, from the engine's true state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from loractl import __version__
+from loractl.registry import InstanceHandle, ServiceRegistry
+
+if TYPE_CHECKING:
+    from loractld.service import LoractlService
+
+_log = logging.getLogger("loractld.publisher")
+NAMESPACE, COMPONENT = "loractl", "loractld"
+
+
+class Publisher:
+    def __init__(self, service: LoractlService, *, home: str | None, socket_path: str) -> None:
+        self.service = service
+        self.socket_path = socket_path
+        self.handle: InstanceHandle = ServiceRegistry(home=home).register_instance(
+            NAMESPACE, COMPONENT, metadata=self._base())
+        self._task: asyncio.Task | None = None
+
+    def _base(self) -> dict:
+        return {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
+
+    async def metadata(self) -> dict:
+        service, data = self.service, self._base()
+        engine, tiers, catalog = service.engine, service.tiers, service.catalog
+        if engine is None or tiers is None or catalog is None:
+            return data
+        state = tiers._last
+        stored = await asyncio.to_thread(catalog.store.list)
+        available, loaded = [], []
+        for adapter in stored:
+            try:
+                ref = catalog.resolver.resolve(adapter.name)
+            except Exception:  # noqa: BLE001 - an invalid adapter is listed as failed, not fatal
+                available.append({"name": adapter.name, "state": "failed", "pinned": False})
+                continue
+            residency = state.residency(ref.engine_id)
+            available.append({"name": adapter.name, "state": residency.tier, "pinned": residency.pinned})
+            if residency.tier == "device":
+                loaded.append(adapter.name)
+        settings = engine.settings
+        data.update(model=settings.model, device=engine.device)
+        data["lora"] = {
+            "enabled": True, "max_loras": settings.max_loras, "max_cpu_loras": settings.max_cpu_loras,
+            "max_lora_rank": settings.max_lora_rank, "available_loras": available, "loaded_loras": loaded,
+            "capacity": {"loaded_count": len(state.device), "available_slots": settings.max_loras - len(state.device)},
+        }
+        return data
+
+    async def refresh(self) -> None:
+        try:
+            self.handle.set_metadata(await self.metadata())
+        except Exception:  # noqa: BLE001 - a registry hiccup must never take serving down
+            _log.exception("could not update the registry entry")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow())
+
+    async def _follow(self) -> None:
+        queue = self.service.events.subscribe()
+        try:
+            while True:
+                await queue.get()
+                await asyncio.sleep(0.05)  # coalesce a burst of events into one write
+                while not queue.empty():
+                    queue.get_nowait()
+                await self.refresh()
+        finally:
+            self.service.events.unsubscribe(queue)
+
+    def set_ready(self, ready: bool) -> None:
+        self.handle.set_ready(ready)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.handle.close()

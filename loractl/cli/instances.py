@@ -1,0 +1,45 @@
+"""``loractl instances``: the daemons in the service registry."""
+
+from __future__ import annotations
+
+import datetime
+
+import typer
+from rich.table import Table
+
+from loractl.cli._common import HomeOpt, JsonOpt, print_json, stderr, stdout
+from loractl.client import Client
+
+
+def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """List the live loractld instances on this machine, with what each holds on device.
+
+    Read from the file-based service registry; a daemon that died is gone from it at once.
+
+    Examples:
+
+        loractl instances
+
+        loractl instances --json | jq -r '.[].instance_id'
+    """
+    found = Client(home=home).instances()
+    if json_output:
+        print_json(found)
+        return
+    if not found:
+        stderr.print("no loractld instances are running; start one with: loractld --model demo")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("INSTANCE", "STATUS", "MODEL", "ON DEVICE", "SINCE"):
+        table.add_column(column, no_wrap=column != "ON DEVICE", overflow="fold")
+    for i in found:
+        meta = i["metadata"]
+        loaded = meta.get("lora", {}).get("loaded_loras", [])
+        since = datetime.datetime.fromtimestamp(i["started"]).strftime("%H:%M:%S") if i["started"] else "-"
+        table.add_row(i["instance_id"], i["status"], str(meta.get("model", "-")).rsplit("/", 1)[-1],
+                      ", ".join(loaded) or "-", since)
+    stdout.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("instances")(instances)
