@@ -24,7 +24,7 @@ from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from loractl import paths
-from loractl.errors import DaemonNotRunning, InvalidRequest, LoractlError, from_wire
+from loractl.errors import DaemonNotRunning, InvalidRequest, LoractlError, PermissionDenied, from_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
 
@@ -135,6 +135,9 @@ class Client:
             yield
         except GRPCError as e:
             raise from_wire(e.status, e.message) from e
+        except PermissionError as e:
+            raise PermissionDenied(f"no permission to use the daemon's socket {self.socket_path}",
+                                   "Ask to join the daemon's socket group (the system daemon's is 'loractl').") from e
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise DaemonNotRunning(f"no loractl daemon is listening at {self.socket_path}",
                                    self._start_hint()) from e

@@ -90,6 +90,13 @@ class DiskFull(LoractlError):
     default_hint = "Free space (loractl rm NAME removes adapters) and pull again."
 
 
+class PermissionDenied(LoractlError):
+    kind = "permission_denied"
+    grpc_status = Status.PERMISSION_DENIED
+    exit_code = 9
+    default_hint = "Run it as the daemon's user, root, or a member of the daemon's socket group."
+
+
 def _one_line(text: str) -> str:
     return re.sub(r"\s*\n\s*", " ", str(text)).strip()
 
@@ -97,7 +104,7 @@ def _one_line(text: str) -> str:
 _BY_KIND: dict[str, type[LoractlError]] = {
     cls.kind: cls
     for cls in (LoractlError, DaemonNotRunning, InvalidRequest, AdapterNotFound, InvalidAdapter,
-                EngineUnavailable, Cancelled, SourceUnavailable, DiskFull)
+                EngineUnavailable, Cancelled, SourceUnavailable, DiskFull, PermissionDenied)
 }
 
 

@@ -11,6 +11,7 @@ import sys
 
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
+from loractld import config
 from loractld.engine import EngineSettings
 from loractld.server import DaemonSettings, serve
 
@@ -19,6 +20,10 @@ examples:
   loractld --model demo                      the embedded tiny model (built on first start)
   loractld --model meta-llama/Llama-3.1-8B-Instruct --max-loras 8 --max-cpu-loras 32
   LORACTL_HOME=/tmp/lc loractld --model demo --device cpu
+  loractld --config /etc/loractl/loractld.toml
+
+settings come from flag > environment (LORACTLD_<FLAG>, e.g. LORACTLD_MAX_LORAS=8) > config
+file (TOML, keys named like the flags: max-loras = 8, preload = ["sql-expert/v1"]) > default.
 """
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -48,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="base model: a local folder, a Hub repo id, or 'demo'")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML file with any of these settings (default: loractld.toml in the user config dir)")
+    p.add_argument("--model", help="base model: a local folder, a Hub repo id, or 'demo' (required)")
     p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
     p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -71,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
-    p.add_argument("--log-level", default=os.environ.get("LORACTL_LOG_LEVEL", "INFO"),
+    p.add_argument("--socket-group", metavar="GROUP",
+                   help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
+    p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
     p.add_argument("--version", action="version", version=f"loractld {__version__}")
@@ -79,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> DaemonSettings:
+    if not args.model:
+        raise InvalidRequest("no base model given", "Pass --model PATH_OR_REPO (or 'demo'), or set model in the config file.")
     if args.max_cpu_loras < args.max_loras:
         raise InvalidRequest(
             f"--max-cpu-loras ({args.max_cpu_loras}) is below --max-loras ({args.max_loras})",
@@ -91,11 +102,16 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
-                          max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload))
+                          max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
+                          socket_group=args.socket_group)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    try:
+        args = config.resolve(build_parser, argv)
+    except LoractlError as e:
+        print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+        sys.exit(e.exit_code)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

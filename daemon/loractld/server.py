@@ -29,6 +29,7 @@ from loractld.pulls import Puller
 from loractld.service import Catalog, LoractlService
 from loractld.sources import load_sources
 from loractld.store import Store
+from loractld.systemd import SystemdEnv
 from loractld.tiers import PersistentState, Tiers
 from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
@@ -43,6 +44,7 @@ class DaemonSettings:
     shutdown_grace_s: float = 10.0
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
     preload: tuple[str, ...] = ()
+    socket_group: str | None = None
 
 
 class SocketInUse(LoractlError):
@@ -103,22 +105,45 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
 
 async def serve(settings: DaemonSettings) -> int:
     loop = asyncio.get_running_loop()
+    systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
     layout = paths.layout(settings.home)
     sock_path = paths.socket_path(settings.socket, settings.home)
-    _claim_socket_path(sock_path)
+    activated = systemd.activated_socket()
+    if activated is not None:
+        sock_path = Path(activated.getsockname() or sock_path)
+    else:
+        _claim_socket_path(sock_path)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    service = LoractlService(socket_path=str(sock_path), home=str(layout.home or layout.data_dir))
+    socket_gid = None
+    if settings.socket_group:
+        import grp
+
+        try:
+            socket_gid = grp.getgrnam(settings.socket_group).gr_gid
+        except KeyError as e:
+            raise LoractlError(f"no group {settings.socket_group!r} on this system",
+                               f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
+    service = LoractlService(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
+                             socket_gid=socket_gid)
     server = Server([service])
-    old_umask = os.umask(0o177)  # the socket is born 0600: no window where others can connect
-    try:
-        await server.start(path=str(sock_path))
-    finally:
-        os.umask(old_umask)
-    _log.info("listening on %s", sock_path)
+    if activated is not None:
+        await server.start(sock=activated)
+        _log.info("listening on %s (socket activation)", sock_path)
+    else:
+        # The socket is born with its final mode: no window in which others can connect.
+        old_umask = os.umask(0o117 if settings.socket_group else 0o177)
+        try:
+            await server.start(path=str(sock_path))
+        finally:
+            os.umask(old_umask)
+        if socket_gid is not None:
+            os.chown(sock_path, -1, socket_gid)
+        _log.info("listening on %s", sock_path)
+    systemd.notify("STATUS=starting the engine")
     publisher = Publisher(service, home=settings.home, socket_path=str(sock_path))
     _log.info("registered as instance %s", publisher.handle.instance_id())
 
@@ -128,6 +153,7 @@ async def serve(settings: DaemonSettings) -> int:
         return await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
 
     engine: Engine | None = None
+    watchdog: asyncio.Task | None = None
     exit_code = 0
     engine_task = asyncio.create_task(start_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -152,22 +178,50 @@ async def serve(settings: DaemonSettings) -> int:
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
+            systemd.notify("READY=1", f"STATUS=ready: {Path(engine.settings.model).name} on {engine.device}, "
+                                      f"{len(tiers.pinned_names())} pinned")
+            watchdog = asyncio.create_task(_watchdog(systemd, service, stop))
             _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
                       engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
+        systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
+        if service.engine_died:
+            exit_code = 1
         cancelled = await service.drain(settings.shutdown_grace_s)
         if cancelled:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
     finally:
         stop_task.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
         publisher.close()
         server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), timeout=5)
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
-        sock_path.unlink(missing_ok=True)
+        if activated is None:
+            sock_path.unlink(missing_ok=True)  # an activated socket belongs to systemd
         _log.info("stopped")
     return exit_code
+
+
+async def _watchdog(systemd: SystemdEnv, service: LoractlService, stop: asyncio.Event) -> None:
+    """Feed systemd's watchdog while the engine is healthy; stop the daemon when it died.
+
+    A dead engine (its process killed, say) cannot be revived in place: report it, refuse
+    work, and exit non-zero so the supervisor (systemd's Restart=on-failure) starts afresh.
+    """
+    interval = min(systemd.watchdog_interval_s or 1.0, 1.0)
+    while not stop.is_set():
+        engine = service.engine
+        if engine is not None and engine.errored:
+            _log.error("the engine died; stopping so that the service manager restarts the daemon")
+            service.engine_died = True
+            systemd.notify("STATUS=engine died; restarting")
+            stop.set()
+            return
+        systemd.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)

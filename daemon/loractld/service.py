@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from grpclib.exceptions import GRPCError
 
 from loractl import __version__
-from loractl.errors import Cancelled, EngineUnavailable, InvalidRequest, LoractlError, to_wire
+from loractl.errors import Cancelled, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractld.events import Event, EventBus, Metrics
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
@@ -38,6 +38,47 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("loractld.service")
 ROLES = ("system", "user", "assistant")
+
+
+_audit = logging.getLogger("loractld.audit")
+
+
+def peer_credentials(stream) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of the Unix socket (SO_PEERCRED).
+
+    grpclib exposes the transport only privately; the socket itself is what the kernel vouches for.
+    """
+    import socket as socket_module
+    import struct
+
+    sock = stream.peer._transport.get_extra_info("socket")
+    raw = sock.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def mutating(operation: str):
+    """Only root, the daemon's own user or its socket group may change state; audit each call."""
+
+    def decorate(handler):
+        @functools.wraps(handler)
+        async def wrapper(self, stream):
+            pid, uid, gid = peer_credentials(stream)
+            allowed = uid in (0, os.getuid()) or (self.socket_gid is not None and self._in_group(uid, gid))
+            outcome = "denied"
+            try:
+                if not allowed:
+                    raise PermissionDenied(f"uid {uid} may not {operation} on this daemon")
+                await handler(self, stream)
+                outcome = "ok"
+            except LoractlError as e:
+                outcome = outcome if outcome == "denied" else f"error: {e.kind}"
+                raise
+            finally:
+                _audit.info("audit uid=%d pid=%d op=%s target=%s result=%s", uid, pid, operation,
+                            getattr(stream, "_loractl_target", "-"), outcome)
+        return wrapper
+
+    return decorate
 
 
 def domain_errors(handler):
@@ -70,8 +111,9 @@ class Catalog:
 
 
 class LoractlService(LoractlBase):
-    def __init__(self, *, socket_path: str, home: str) -> None:
+    def __init__(self, *, socket_path: str, home: str, socket_gid: int | None = None) -> None:
         self.socket_path = socket_path
+        self.socket_gid = socket_gid
         self.home = home
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()
@@ -83,11 +125,23 @@ class LoractlService(LoractlBase):
         self.startup_error: LoractlError | None = None
         self.started = time.monotonic()
         self.draining = False
+        self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
         # Adapter folders running requests may still need (vLLM reloads from disk after an
         # eviction): a replaced revision's folder is deleted only once none uses it.
         self._paths_in_use: collections.Counter[str] = collections.Counter()
+
+    def _in_group(self, uid: int, gid: int) -> bool:
+        import grp
+        import pwd
+
+        if gid == self.socket_gid:
+            return True
+        try:
+            return pwd.getpwuid(uid).pw_name in grp.getgrgid(self.socket_gid).gr_mem
+        except KeyError:
+            return False
 
     # -- lifecycle, driven by loractld.server ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -126,6 +180,9 @@ class LoractlService(LoractlBase):
     async def _wait_engine(self) -> Engine:
         await self._ready(self.engine_ready)
         assert self.engine is not None
+        if self.engine_died or self.engine.errored:
+            raise EngineUnavailable("the engine died; the daemon is restarting",
+                                    "Retry in a moment; if it persists, see the daemon's log.")
         return self.engine
 
     async def _wait_tiers(self) -> Tiers:
@@ -182,7 +239,7 @@ class LoractlService(LoractlBase):
             pid=os.getpid(),
             socket=self.socket_path,
             home=self.home,
-            ready=engine is not None and not self.draining and not engine.errored,
+            ready=engine is not None and not self.draining and not engine.errored and not self.engine_died,
             uptime_s=time.monotonic() - self.started,
             engine_start_s=engine.start_seconds if engine else 0.0,
             engine=config,
@@ -243,8 +300,10 @@ class LoractlService(LoractlBase):
             await stream.send_message(reply)
 
     @domain_errors
+    @mutating("pull")
     async def Pull(self, stream) -> None:
         request: pb.PullRequest = await stream.recv_message()
+        stream._loractl_target = f"{request.ref} as {request.name or '(default name)'}"
         catalog = await self._wait_catalog()
         if not request.ref:
             raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
@@ -284,6 +343,7 @@ class LoractlService(LoractlBase):
 
     async def _tier_op(self, stream, op) -> None:
         request = await stream.recv_message()
+        stream._loractl_target = request.name
         catalog = await self._wait_catalog()
         tiers = await self._wait_tiers()
         await op(tiers, request)
@@ -291,18 +351,22 @@ class LoractlService(LoractlBase):
         await stream.send_message(self._described(catalog, adapter, tiers._last))
 
     @domain_errors
+    @mutating("load")
     async def Load(self, stream) -> None:
         await self._tier_op(stream, lambda tiers, r: tiers.load(r.name, r.to or "device"))
 
     @domain_errors
+    @mutating("evict")
     async def Evict(self, stream) -> None:
         await self._tier_op(stream, lambda tiers, r: tiers.evict(r.name, getattr(r, "from") or "device"))
 
     @domain_errors
+    @mutating("pin")
     async def Pin(self, stream) -> None:
         await self._tier_op(stream, lambda tiers, r: tiers.pin(r.name))
 
     @domain_errors
+    @mutating("unpin")
     async def Unpin(self, stream) -> None:
         await self._tier_op(stream, lambda tiers, r: tiers.unpin(r.name))
 
@@ -358,8 +422,10 @@ class LoractlService(LoractlBase):
         await asyncio.to_thread(catalog.store.collect_garbage, keep)
 
     @domain_errors
+    @mutating("rm")
     async def Remove(self, stream) -> None:
         request: pb.RemoveRequest = await stream.recv_message()
+        stream._loractl_target = request.name
         catalog = await self._wait_catalog()
         stored = catalog.store.get(request.name)
         del stored

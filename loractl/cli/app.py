@@ -7,7 +7,7 @@ import os
 import typer
 
 from loractl import __version__
-from loractl.cli import adapters, chat, instances, run, status, tiers
+from loractl.cli import adapters, chat, daemon_cmd, instances, run, status, tiers
 
 app = typer.Typer(
     name="loractl",
@@ -19,7 +19,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (adapters, tiers, run, chat, status, instances):
+for module in (adapters, tiers, run, chat, status, instances, daemon_cmd):
     module.register(app)
 
 

@@ -1,0 +1,96 @@
+"""``loractl daemon install``: run loractld as a systemd service."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from loractl.cli._common import fail, stderr, stdout
+from loractl.errors import InvalidRequest
+
+app = typer.Typer(help="Run loractld as a systemd service.", no_args_is_help=True)
+
+
+def unit_text(name: str, loractld: str) -> str:
+    """A shipped unit with ExecStart pointing at this installation's loractld."""
+    text = (resources.files("loractld") / "units" / name).read_text()
+    return text.replace("/usr/local/bin/loractld", loractld).replace("%h/.local/bin/loractld", loractld)
+
+
+def _loractld_path() -> str:
+    beside = Path(sys.executable).parent / "loractld"
+    return str(beside) if beside.exists() else (shutil.which("loractld") or "/usr/local/bin/loractld")
+
+
+@app.command("install")
+def install(
+    user: Annotated[bool, typer.Option("--user/--system", help="A user unit (default) or a system unit.")] = True,
+    socket_activated: Annotated[bool, typer.Option("--socket-activated",
+                                                   help="Also install loractld.socket (system only).")] = False,
+    model: Annotated[str | None, typer.Option("--model", help="Write this model into the config file.")] = None,
+    unit_dir: Annotated[Path | None, typer.Option("--unit-dir", help="Write units here instead.")] = None,
+    enable: Annotated[bool, typer.Option("--enable/--no-enable", help="systemctl enable --now afterwards.")] = True,
+) -> None:
+    """Write the loractld unit (and a config file if none exists), then enable it.
+
+    The system unit runs as user 'loractl' with its socket group 'loractl' (create both
+    first); the user unit runs as you.
+
+    Examples:
+
+        loractl daemon install --user --model demo
+
+        sudo loractl daemon install --system --socket-activated
+    """
+    if socket_activated and user:
+        raise fail(InvalidRequest("socket activation is set up for the system unit only",
+                                  "Use --system --socket-activated."))
+    if user:
+        target = unit_dir or Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "systemd" / "user"
+        units = {"loractld.service": "loractld-user.service"}
+        config = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "loractl" / "loractld.toml"
+    else:
+        target = unit_dir or Path("/etc/systemd/system")
+        units = {"loractld.service": "loractld.service"}
+        if socket_activated:
+            units["loractld.socket"] = "loractld.socket"
+        config = Path("/etc/loractl/loractld.toml")
+    if unit_dir is not None:
+        config = unit_dir / "loractld.toml"
+    loractld = _loractld_path()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for installed, shipped in units.items():
+            (target / installed).write_text(unit_text(shipped, loractld))
+            stdout.print(f"wrote {target / installed}")
+        if not config.exists():
+            config.parent.mkdir(parents=True, exist_ok=True)
+            example = (resources.files("loractld") / "units" / "loractld.toml.example").read_text()
+            if model:
+                example = example.replace('model = "meta-llama/Llama-3.1-8B-Instruct"', f'model = "{model}"')
+            config.write_text(example)
+            stdout.print(f"wrote {config}")
+    except PermissionError as e:
+        raise fail(InvalidRequest(f"cannot write {e.filename}: permission denied",
+                                  "A system unit needs root: sudo loractl daemon install --system")) from None
+    if not enable or unit_dir is not None:
+        return
+    scope = ["--user"] if user else []
+    unit = "loractld.socket" if socket_activated else "loractld.service"
+    for args in (["daemon-reload"], ["enable", "--now", unit]):
+        result = subprocess.run(["systemctl", *scope, *args], capture_output=True, text=True)
+        if result.returncode != 0:
+            stderr.print(f"systemctl {' '.join(scope + args)} failed: {result.stderr.strip()}")
+            raise typer.Exit(1)
+    stdout.print(f"enabled {unit}; follow it with: journalctl {' '.join(scope)} -u loractld -f")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="daemon")

@@ -1,0 +1,120 @@
+"""systemd: unit files verify, sd_notify messages, socket activation; configuration layers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ENGINE_FLAGS, run_cli
+from loractl.errors import InvalidRequest
+from loractld import config
+from loractld.main import build_parser
+
+
+def render_units(tmp: Path) -> None:
+    for args in (["--system", "--socket-activated"], ["--user"]):
+        result = run_cli("daemon", "install", *args, "--unit-dir", str(tmp / args[0].strip("-")))
+        assert result.returncode == 0, result.stderr
+
+
+def test_units_verify(tmp_path):
+    render_units(tmp_path)
+    system = tmp_path / "system"
+    assert "ExecStart=" + str(BIN / "loractld") in (system / "loractld.service").read_text()
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(system / "loractld.socket"),
+                             str(system / "loractld.service")], capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    runtime = Path(tempfile.mkdtemp(prefix="lct-xdg-"))
+    result = subprocess.run(["systemd-analyze", "--user", "verify", "--man=no", str(tmp_path / "user" / "loractld.service")],
+                            capture_output=True, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    text = (system / "loractld.service").read_text()
+    for directive in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "WatchdogSec=", "RuntimeDirectory=",
+                      "StateDirectory=", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
+                      "ReadWritePaths="):
+        assert directive in text, directive
+
+
+def test_notify_and_socket_activation(home):
+    """loractld under systemd-socket-activate, with a NOTIFY_SOCKET the test binds: the
+    activated socket serves, READY=1 comes only once the engine is up, WATCHDOG=1 follows,
+    STOPPING=1 on SIGTERM."""
+    short = Path(tempfile.mkdtemp(prefix="lct-sd-", dir="/tmp"))
+    notify_path = short / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(1.0)
+    sock = short / "act.sock"
+    env = {**os.environ, "WATCHDOG_USEC": "1000000"}
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", str(sock), "-E", f"NOTIFY_SOCKET={notify_path}", "-E", "WATCHDOG_USEC=1000000",
+         str(BIN / "loractld"), "--model", "demo", "--home", str(home), *ENGINE_FLAGS],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    messages: list[str] = []
+    try:
+        # The activated socket accepts connections before loractld even started.
+        deadline = time.monotonic() + 5
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = run_cli("status", "--json", "--socket", str(sock), timeout=240)  # this first client starts it
+        assert result.returncode == 0, result.stderr
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not any(m.startswith("WATCHDOG=1") for m in messages):
+            try:
+                messages.append(listener.recv(4096).decode())
+            except TimeoutError:
+                pass
+        ready = next(i for i, m in enumerate(messages) if "READY=1" in m)
+        assert "STATUS=ready" in messages[ready]
+        assert any("STATUS=starting" in m for m in messages[:ready])
+        assert any(m == "WATCHDOG=1" for m in messages[ready:])
+        assert run_cli("status", "--json", "--socket", str(sock)).returncode == 0
+        os.killpg(proc.pid, 15)
+        proc.wait(60)
+        while True:
+            try:
+                messages.append(listener.recv(4096).decode())
+            except TimeoutError:
+                break
+        assert any("STOPPING=1" in m for m in messages)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        listener.close()
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_config_precedence(tmp_path, monkeypatch):
+    file = tmp_path / "loractld.toml"
+    file.write_text('model = "from-file"\nmax-loras = 3\nmax_cpu_loras = 6\npreload = ["a/v1", "b/v1"]\n'
+                    'kv-cache-memory = "64MiB"\nno-prefix-caching = true\n')
+    monkeypatch.setenv("LORACTLD_MAX_LORAS", "5")
+    args = config.resolve(build_parser, ["--config", str(file), "--max-cpu-loras", "9"])
+    assert args.model == "from-file"                          # file over default
+    assert args.max_loras == 5                                # environment over file
+    assert args.max_cpu_loras == 9                            # flag over everything
+    assert args.preload == ["a/v1", "b/v1"] and args.kv_cache_memory == 64 << 20 and args.no_prefix_caching
+    assert args.max_lora_rank == 16                           # default
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("bogus = 1\n", "unknown key 'bogus'"),
+    ("device = 'tpu'\n", "invalid value for device"),
+    ("max-loras = 'many'\n", "invalid value for max-loras"),
+    ("model = \n", "not valid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, content, needle):
+    file = tmp_path / "bad.toml"
+    file.write_text(content)
+    with pytest.raises(InvalidRequest, match=needle):
+        config.resolve(build_parser, ["--config", str(file)])
+    result = subprocess.run([str(BIN / "loractld"), "--config", str(file)], capture_output=True, text=True)
+    assert result.returncode == 2 and needle.split("'")[0] in result.stderr and "hint:" in result.stderr
