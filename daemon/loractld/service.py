@@ -67,6 +67,8 @@ def mutating(operation: str):
             outcome = "denied"
             try:
                 if not allowed:
+                    request = await stream.recv_message()  # only to name the target in the audit line
+                    stream._loractl_target = getattr(request, "name", "") or getattr(request, "ref", "") or "-"
                     raise PermissionDenied(f"uid {uid} may not {operation} on this daemon")
                 await handler(self, stream)
                 outcome = "ok"
