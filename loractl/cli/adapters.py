@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn,
-                           TransferSpeedColumn)
-from rich.table import Table
 
 from loractl.cli._common import (HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, short_revision, stderr,
                                  stdout, with_client)
-from loractl.client import Client
+from loractl.cli._complete import adapter_names
+from loractl.cli.listing import ago, list_adapters
+if TYPE_CHECKING:
+    from loractl.client import Client
 
-NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).")]
+NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).",
+                                        autocompletion=adapter_names)]
 
 
 def pull(
@@ -40,9 +41,12 @@ def pull(
         loractl pull ./my-adapter --name mine/v1
     """
 
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
     async def body(client: Client) -> dict[str, Any]:
         final: dict[str, Any] = {}
-        tasks: dict[str, TaskID] = {}
+        tasks: dict[str, Any] = {}
         with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=stderr, transient=False, disable=json_output) as bars:
             async for event in client.pull(ref, name=name, revision=revision, force=force):
@@ -80,40 +84,7 @@ def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = Fa
 
         loractl ls --json | jq -r '.[].name'
     """
-    adapters = with_client(socket, home, lambda client: client.list())
-    if json_output:
-        print_json(adapters)
-        return
-    if not adapters:
-        stderr.print("no adapters yet: loractl pull ORG/REPO")
-        return
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    # Names are what users copy into the next command: they never get cut; SOURCE gives way.
-    table.add_column("NAME", no_wrap=True, min_width=min(40, max(len(a["name"]) for a in adapters)))
-    table.add_column("TIER", no_wrap=True, min_width=7)
-    table.add_column("SIZE", no_wrap=True, min_width=8)
-    table.add_column("RANK", no_wrap=True, min_width=4)
-    table.add_column("REVISION", no_wrap=True, min_width=12)
-    table.add_column("USED", no_wrap=True, min_width=7)
-    for a in adapters:
-        tier = a["tier"] + ("*" if a["pinned"] else "")
-        if a["state"] == "failed":
-            tier = "[red]failed[/]"
-        elif a["state"] == "loading":
-            tier = "[yellow]loading[/]"
-        table.add_row(a["name"], tier, human_bytes(int(a["size_bytes"])), str(a["rank"]),
-                      short_revision(a["revision"]), _ago(a["last_used"]))
-    stdout.print(table)
-
-
-def _ago(timestamp: float) -> str:
-    if not timestamp:
-        return "-"
-    seconds = max(0, datetime.datetime.now().timestamp() - timestamp)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"
+    list_adapters(socket, home, json_output)
 
 
 def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
@@ -131,6 +102,8 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
     if json_output:
         print_json(a)
         return
+    from rich.table import Table
+
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column(overflow="fold")
@@ -139,7 +112,7 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
         ("tier", a["tier"] + (f" (slot {a['slot']})" if a["tier"] == "device" else "")
          + (", pinned" if a["pinned"] else "")),
-        ("requests", f"{a['requests']} (last {_ago(a['last_used'])})"),
+        ("requests", f"{a['requests']} (last {ago(a['last_used'])})"),
         ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
         ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
         ("revision", a["revision"]), ("base model", a["base_model"] or "-"),

@@ -6,14 +6,17 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from loractl import paths
 from loractl.cli._common import HomeOpt, SocketOpt, fail, stderr
-from loractl.client import Client
+from loractl.cli._complete import adapter_names
 from loractl.errors import LoractlError
+
+if TYPE_CHECKING:
+    from loractl.client import Client
 
 HELP = """\
 /lora NAME   answer with adapter NAME from now on (the conversation is kept)
@@ -82,7 +85,8 @@ def _save_history(readline, history: Path) -> None:
 
 
 def chat(
-    lora: Annotated[str | None, typer.Option("--lora", "-l", help="Adapter to start with (store name or folder).")] = None,
+    lora: Annotated[str | None, typer.Option("--lora", "-l", help="Adapter to start with (store name or folder).",
+                                             autocompletion=adapter_names)] = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens per reply.")] = 256,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
@@ -101,6 +105,8 @@ def chat(
 
         echo "Write a query that counts users" | loractl chat --lora sql-expert/v1
     """
+    from loractl.client import Client
+
     convo = Conversation(system, lora)
     with asyncio.Runner() as runner:
         client = Client(socket, home=home)

@@ -15,7 +15,10 @@ import typer
 from loractl.cli._common import fail, stderr, stdout
 from loractl.errors import InvalidRequest
 
-app = typer.Typer(help="Run loractld as a systemd service.", no_args_is_help=True)
+app = typer.Typer(
+    help="Run loractld as a systemd service.\n\nExamples:\n\n    loractl daemon install --user --model demo",
+    no_args_is_help=True,
+)
 
 
 def unit_text(name: str, loractld: str) -> str:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import datetime
 
 import typer
-from rich.table import Table
 
 from loractl.cli._common import HomeOpt, JsonOpt, print_json, stderr, stdout
-from loractl.client import Client
 
 
 def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
@@ -22,6 +20,8 @@ def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
 
         loractl instances --json | jq -r '.[].instance_id'
     """
+    from loractl.client import Client
+
     found = Client(home=home).instances()
     if json_output:
         print_json(found)
@@ -29,6 +29,8 @@ def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     if not found:
         stderr.print("no loractld instances are running; start one with: loractld --model demo")
         return
+    from rich.table import Table
+
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("INSTANCE", "STATUS", "MODEL", "ON DEVICE", "SINCE"):
         table.add_column(column, no_wrap=column != "ON DEVICE", overflow="fold")

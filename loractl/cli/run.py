@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from loractl.cli._common import HomeOpt, SocketOpt, with_client
-from loractl.client import Client
+from loractl.cli._complete import adapter_names
+
+if TYPE_CHECKING:
+    from loractl.client import Client
 
 LoraOpt = Annotated[
     str | None,
-    typer.Option("--lora", "-l", help="Adapter to answer with: a store name (loractl ls) or a PEFT folder. Default: the base model."),
+    typer.Option("--lora", "-l", help="Adapter to answer with: a store name (loractl ls) or a PEFT folder. Default: the base model.",
+                 autocompletion=adapter_names),
 ]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typer
-from rich.table import Table
 
 from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
 
@@ -24,6 +23,8 @@ def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt 
         print_json(info)
         return
     engine = info["engine"]
+    from rich.table import Table
+
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()

@@ -6,14 +6,18 @@ import datetime
 import json
 import sys
 from enum import Enum
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
-from loractl.client import Client
+from loractl.cli._complete import adapter_names
 
-NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).")]
+if TYPE_CHECKING:
+    from loractl.client import Client
+
+NameArg = Annotated[str, typer.Argument(help="Adapter name, e.g. sql-expert/v1 (see loractl ls).",
+                                        autocompletion=adapter_names)]
 
 
 class Tier(str, Enum):
