@@ -32,6 +32,20 @@ def test_cli_never_imports_torch_or_vllm(argv):
     assert "HEAVY []" in out, out
 
 
+def test_the_ls_fast_path_never_imports_typer_torch_or_vllm(daemon):
+    code = (
+        "import sys\n"
+        f"sys.argv = ['loractl', 'ls', '--json', '--socket', {str(daemon.socket)!r}]\n"
+        "from loractl.cli import main\n"
+        "main()\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers', 'typer'))\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout, out.stdout
+
+
 def test_masked_lora_ops_zero_the_no_adapter_rows():
     import torch
     from loractld.cpu_fixes import _masked

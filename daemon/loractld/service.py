@@ -64,7 +64,7 @@ def mutating(operation: str):
         async def wrapper(self, stream):
             pid, uid, gid = peer_credentials(stream)
             allowed = uid in (0, os.getuid()) or (self.socket_gid is not None and self._in_group(uid, gid))
-            outcome = "denied"
+            outcome = "denied" if not allowed else "error"  # anything but a clean return is an error
             try:
                 if not allowed:
                     request = await stream.recv_message()  # only to name the target in the audit line
