@@ -29,7 +29,7 @@ from pathlib import Path
 
 DEMO_MODEL_ID = "loractl/demo-tiny-llama"
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BUILD_VERSION = "1"  # bump when the output changes, so stale builds are rebuilt
+BUILD_VERSION = "2"  # bump when the output changes, so stale builds are rebuilt
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -156,9 +156,15 @@ def build_model(out_dir: Path, seed: int = 0) -> None:
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir, safe_serialization=True)
+    # transformers does not save _name_or_path; record it so that the model reached by its
+    # folder (not as --model demo) still matches its adapters' base_model_name_or_path.
+    config_file = out_dir / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["_name_or_path"] = DEMO_MODEL_ID
+    config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
-def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path) -> None:
+def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path, base_model: str = DEMO_MODEL_ID) -> None:
     """Write one PEFT LoRA adapter whose shapes fit the model in ``model_dir``."""
     import torch
     from safetensors.torch import save_file
@@ -186,7 +192,7 @@ def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path) -> None:
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": DEMO_MODEL_ID,
+        "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidRequest
-from loractld import cpu_fixes, vllm_plugin, worker_ext
+from loractld import compat, cpu_fixes, vllm_plugin, worker_ext
 from loractld.adapters import AdapterRef
 
 _log = logging.getLogger("loractld.engine")
@@ -121,8 +121,13 @@ class Engine:
         if device == "cpu" and settings.cpu_fixes:
             cpu_fixes.install()  # likewise
 
+        import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        vllm_features = compat.features(vllm.__version__)
+        _log.info("vLLM %s: prefix-cache keys include the adapter path: %s", vllm.__version__,
+                  vllm_features.prefix_cache_key_has_path)
 
         dtype = settings.dtype
         kv_bytes = settings.kv_cache_bytes
@@ -174,8 +179,9 @@ class Engine:
         from vllm.lora.request import LoRARequest
 
         # Keyword arguments only: LoRARequest is serialized by position, and its fields moved
-        # between vLLM releases.
-        return LoRARequest(lora_name=adapter.engine_name, lora_int_id=adapter.engine_id, lora_path=str(adapter.path))
+        # between vLLM releases (loractld.compat).
+        return LoRARequest(**compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=adapter.engine_name,
+                                                        engine_id=adapter.engine_id, path=str(adapter.path)))
 
     async def generate(
         self, prompt_token_ids: list[int], sampling: Sampling, adapter: AdapterRef | None = None

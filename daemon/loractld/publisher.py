@@ -64,7 +64,9 @@ class Publisher:
 
     async def refresh(self) -> None:
         try:
-            self.handle.set_metadata(await self.metadata())
+            # The registry write fsyncs the file and its folder: off the event loop, or a slow
+            # disk would stall every stream the daemon is serving.
+            await asyncio.to_thread(self.handle.set_metadata, await self.metadata())
         except Exception:  # noqa: BLE001 - a registry hiccup must never take serving down
             _log.exception("could not update the registry entry")
 

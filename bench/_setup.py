@@ -1,0 +1,145 @@
+"""Shared set-up for the benchmarks: models, adapters, daemons, and an in-process vLLM.
+
+CPU smoke runs use the embedded demo model; GPU runs pass a model folder (for honest timings
+on an offline host, one with a real architecture's shapes and random weights: see
+bench/make_model.py) and adapters with real shapes generated here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO / "daemon"))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summary(values: list[float]) -> dict:
+    return {"n": len(values), "p50_ms": round(1000 * statistics.median(values), 2),
+            "p99_ms": round(1000 * percentile(values, 0.99), 2), "mean_ms": round(1000 * statistics.fmean(values), 2)}
+
+
+def prepare(model: str, adapters: int, rank: int, workdir: Path) -> tuple[str, list[Path]]:
+    """The model folder and ``adapters`` PEFT adapters of ``rank`` fitting it."""
+    from loractld.demo import DemoAdapter, build_adapter, ensure_demo
+
+    if model == "demo":
+        model_dir = ensure_demo(workdir / "demo") / "model"
+    else:
+        model_dir = Path(model)
+    paths = []
+    for i in range(adapters):
+        dest = workdir / "adapters" / f"bench-{i}"
+        if not (dest / "adapter_model.safetensors").exists():
+            build_adapter(model_dir, DemoAdapter(f"bench/{i}", rank=rank, alpha=rank), dest,
+                          base_model="loractl/demo-tiny-llama" if model == "demo" else str(model_dir))
+        paths.append(dest)
+    return str(model_dir), paths
+
+
+def drop_page_cache(folder: Path) -> None:
+    """Evict a folder's files from the page cache (no root needed for files we can open)."""
+    for f in folder.iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def engine_flags(args) -> list[str]:
+    flags = ["--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
+             "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len), "--device", args.device]
+    if args.kv_cache:
+        flags += ["--kv-cache-memory", args.kv_cache]
+    return flags
+
+
+class Daemon:
+    def __init__(self, model: str, args, home: Path, extra: list[str] = ()) -> None:
+        self.home = home
+        self.socket = home / "b.sock"
+        self.log = open(home / "daemon.log", "wb")
+        self.proc = subprocess.Popen([str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket",
+                                      str(self.socket), *engine_flags(args), *extra],
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        from loractl import Client
+
+        async def ready() -> bool:
+            async with Client(self.socket, timeout=5) as c:
+                return (await c.status())["ready"]
+
+        for _ in range(1200):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"loractld exited; see {home / 'daemon.log'}")
+            try:
+                if self.socket.exists() and asyncio.run(ready()):
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            time.sleep(0.5)
+        raise SystemExit("loractld did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+
+
+def vllm_engine(model: str, args):
+    """Plain vLLM AsyncLLM, in this process, with the daemon's settings (the baseline)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    cpu = args.device == "cpu"
+    kv = None
+    if args.kv_cache:
+        from loractld.main import parse_size
+
+        kv = parse_size(args.kv_cache)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=model, enable_lora=True, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.rank, max_model_len=args.max_model_len, dtype="float32" if cpu else "auto",
+        kv_cache_memory_bytes=kv or (256 << 20 if cpu else None), enforce_eager=cpu, seed=0))
+
+
+def workdir(path: str | None) -> Path:
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        return Path(path)
+    return Path(tempfile.mkdtemp(prefix="lct-bench-", dir="/tmp"))
+
+
+def write(report: dict, out: str | None) -> None:
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+
+
+def machine() -> dict:
+    import platform
+
+    info = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    if shutil.which("nvidia-smi"):
+        info["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                     capture_output=True, text=True).stdout.strip()
+    return info

@@ -1,0 +1,57 @@
+"""A random-weight model with a real architecture's shapes, for honest timings offline.
+
+    python bench/make_model.py --shape llama3-8b --out /models/llama3-8b-random [--dtype bfloat16]
+
+Random weights cost the same compute as trained ones. The tokenizer is loractl's embedded
+demo tokenizer (512 tokens; the extra embedding rows are simply never produced by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "daemon"))
+
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama3-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=8192, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=512, vocab_size=512, max_position_embeddings=1024),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = p.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from loractld.demo import build_tokenizer
+
+    tok_dir = Path(tempfile.mkdtemp())
+    build_tokenizer(tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    config = LlamaConfig(**SHAPES[args.shape], tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype=args.dtype)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    tok.save_pretrained(args.out)
+    shutil.rmtree(tok_dir)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

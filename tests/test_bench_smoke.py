@@ -1,0 +1,38 @@
+"""The benchmarks run end to end on the CPU (a smoke test: untimed; the figures are in
+docs/benchmarks.md, measured by running the scripts themselves)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+from conftest import REPO
+
+
+def test_lora_bench_smoke():
+    work = tempfile.mkdtemp(prefix="lct-bs-", dir="/tmp")
+    out = f"{work}/r.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "lora_bench.py"), "--model", "demo", "--device", "cpu",
+         "--kv-cache", "64MiB", "--repeats", "1", "--streams", "3", "--tokens", "4", "--thrash-requests", "6",
+         "--concurrency", "2", "--workdir", work, "--out", out],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(open(out).read())
+    for path in ("loractl", "vllm"):
+        assert set(report[path]) == {"activation", "serving", "thrash"}
+        assert all(report[path]["activation"][t]["n"] == 1 for t in ("hot", "warm", "cold"))
+        assert report[path]["serving"]["tokens_per_s"] > 0 and report[path]["thrash"]["ttft"]["n"] == 6
+    assert set(report["ratio_loractl_over_vllm"]["activation_ttft_p50"]) == {"hot", "warm", "cold"}
+    assert report["floors"]["adapter_bytes"] > 0 and report["floors"]["disk_read_GBps"] > 0
+
+
+def test_cli_speed_smoke(daemon):
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "cli_speed.py"), "--socket", str(daemon.socket),
+                             "--runs", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["heavy_imports"] == {"--help": [], "ls": []}
+    assert set(report["ratio_to_python"]) == {"python -c pass", "loractl --help", "loractl ls"}
