@@ -12,7 +12,7 @@ this process with identical settings; ratios are loractl / vLLM from the same ru
   adapter bytes / measured disk read bandwidth and / measured host->device bandwidth.
 - serving: N concurrent streams mixing the base model and adapters: tokens/s and TTFT.
 - thrash: K > max_loras adapters requested with a Zipf distribution: p50/p99 TTFT and
-  tokens/s; loractl pins the most popular max_loras - 1 adapters, vLLM has no such policy.
+  tokens/s; loractl pins the most popular max_cpu_loras - max_loras adapters in RAM; vLLM has no such policy.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ async def thrash(path, args, pin: bool) -> dict:
     rng = random.Random(7)
     sequence = rng.choices(range(k), weights=weights, k=args.thrash_requests)
     if pin:
-        for i in range(args.max_loras - 1):
+        for i in range(args.max_cpu_loras - args.max_loras):
             await path.pin(i)
     queue = list(sequence)
     ttfts, tokens = [], 0

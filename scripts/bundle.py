@@ -473,8 +473,12 @@ def resolve(args, work: Path) -> Resolution:
             if want is None:
                 raise
             # Backtrack: an older release of the newest-fetched requirer that asked for this one.
+            def pinned(name: str) -> bool:  # asked for at one exact version: nothing older to try
+                return any(re.search(r"(^|,)\s*===?[^=]", s) for s, _, _ in wanted[name].specs) \
+                    if name in wanted else False
+
             movable = [bn for s, _, bn in want.specs
-                       if s and bn and bn not in root_names and not dists[bn].local]
+                       if s and bn and bn not in root_names and not dists[bn].local and not pinned(bn)]
             specs = [(s, b) for s, b, _ in want.specs if s and b != "backtracking"]
             if not movable or backtracks >= 40:
                 if len(specs) > 1:
@@ -505,7 +509,7 @@ def resolve(args, work: Path) -> Resolution:
     for name, entry in sorted(skipped.items()):
         for conflict in entry["conflicts"]:
             warn(f"the target's {name} {entry['version']} does not satisfy: {conflict} "
-                 f"(kept the target's; --replace {name} bundles one that does)")
+                 f"(kept the target's; --replace {name} would bundle one that does and shadow the target's)")
     return Resolution(dists=chosen, skipped=skipped, rounds=rounds,
                       roots=[canon(r.name) for r in roots if marker_applies(r, env, set())])
 
@@ -792,7 +796,8 @@ def load_manifest(bundle: Path) -> dict:
         raise BundleError(f"{path} is missing", "copy MANIFEST.json from the build's --out folder together with the parts") from None
     except (OSError, ValueError) as exc:
         raise BundleError(f"{path} is unreadable or not JSON ({exc})", "copy MANIFEST.json again from the build") from None
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("parts"), list):
+    if (not isinstance(manifest, dict) or manifest.get("format") != FORMAT
+            or not isinstance(manifest.get("parts"), list) or not isinstance(manifest.get("archive"), dict)):
         raise BundleError(f"{path} is not a bundle manifest of format {FORMAT}",
                           "use the bundle.py copied next to the parts of the same build")
     return manifest
@@ -1033,6 +1038,9 @@ def cmd_install(args) -> int:
                           "choose a --prefix you can write to") from None
     try:
         unpack(paths, tmp, manifest)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it 0700
         if prefix.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{prefix.name}.old-", dir=prefix.parent))
             os.replace(prefix, old / "x")
@@ -1131,6 +1139,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"bundle.py {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # anything not foreseen above, still as one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"bundle.py {args.command}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        print("  hint: check the paths given and that you may write there", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

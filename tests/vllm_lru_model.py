@@ -2,8 +2,8 @@
 (lora/worker_manager.py LRUCacheWorkerLoRAManager.add_adapter, lora/model_manager.py
 LRUCacheLoRAModelManager, utils/cache.py LRUCache), used as the oracle for residency.
 
-Host tier: an LRU of ``host_slots``; device tier: an LRU of ``device_slots``; pins live in
-both; evicting from host also leaves the device.
+Host tier: an LRU of ``host_slots``; device tier: an LRU of ``device_slots``; evicting from
+host also leaves the device. loractl pins in the host tier only.
 """
 
 from __future__ import annotations
@@ -60,11 +60,9 @@ class VllmTiers:
         self.device.discard(x)
         self.host.discard(x)
 
-    def pin(self, x: str) -> None:
+    def pin_host(self, x: str) -> None:
+        """loractl's pin: host RAM only (vLLM's pin_lora would also pin the device slot)."""
         self.host.pinned.add(x)
-        if x not in self.device.order:
-            self.activate(x)
-        self.device.pinned.add(x)
 
     def unpin(self, x: str) -> None:
         self.host.pinned.discard(x)

@@ -240,7 +240,8 @@ class Engine:
         return bool(await self._llm.add_lora(self._lora_request(adapter)))
 
     async def pin_adapter(self, engine_id: int) -> bool:
-        return bool(await self._llm.pin_lora(engine_id))
+        """Pin in host RAM (see worker_ext.loractl_pin_host for why not vLLM's pin_lora)."""
+        return bool((await self._llm.collective_rpc("loractl_pin_host", args=(engine_id,)))[0])
 
     async def unpin_adapter(self, engine_id: int) -> bool:
         return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id,)))[0])

@@ -170,7 +170,8 @@ async def serve(settings: DaemonSettings) -> int:
         else:
             assert service.catalog is not None
             tiers = Tiers(engine, service.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
-                          service.events, service.metrics, max_loras=settings.engine.max_loras)
+                          service.events, service.metrics, max_loras=settings.engine.max_loras,
+                          max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)

@@ -231,7 +231,7 @@ class LoractlService(LoractlBase):
             stored = await asyncio.to_thread(self.catalog.store.list)
             capacity = pb.Capacity(
                 device_slots=state.device_capacity, device_used=len(state.device), host_slots=state.host_capacity,
-                host_used=len(state.host), pins=len(self.tiers.pinned_names()), max_pins=engine.settings.max_loras - 1,
+                host_used=len(state.host), pins=len(self.tiers.pinned_names()), max_pins=self.tiers.max_pins,
                 max_lora_rank=engine.settings.max_lora_rank, disk_adapters=len(stored),
                 disk_bytes=sum(a.size_bytes for a in stored),
             )

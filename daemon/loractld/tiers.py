@@ -8,8 +8,10 @@ parallel cache:
   residency reported to users is that state, never this module's guess;
 - lifecycle events and metrics come from the difference between two true states, so LRU
   evictions and lazy loads that vLLM does inside a step are reported too;
-- pins are capped at ``max_loras - 1``: with every slot pinned, a request for another adapter
-  kills vLLM's engine ("All items are pinned");
+- a pin keeps an adapter in host RAM, never evicted there (worker_ext.loractl_pin_host says
+  why not a device pin); pins are capped at ``max_cpu_loras - max_loras`` so that every step
+  of up to ``max_loras`` other adapters still finds room in RAM (a host full of pins, or a
+  step that must evict one of its own adapters, kills vLLM's engine);
 - pins persist (``state.json``) and, with the preload list, are applied before the daemon
   reports ready.
 
@@ -107,13 +109,14 @@ class PersistentState:
 
 class Tiers:
     def __init__(self, engine: TierEngine, resolver: AdapterResolver, state: PersistentState, events: EventBus,
-                 metrics: Metrics, *, max_loras: int) -> None:
+                 metrics: Metrics, *, max_loras: int, max_cpu_loras: int) -> None:
         self.engine = engine
         self.resolver = resolver
         self.state = state
         self.events = events
         self.metrics = metrics
         self.max_loras = max_loras
+        self.max_pins = max(0, max_cpu_loras - max_loras)
         self.usage: dict[str, Usage] = {}
         self._last = EngineState()
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
@@ -193,8 +196,8 @@ class Tiers:
         adapter = self.resolver.resolve(name)
         async with self._lock:
             current = (await self.sync()).residency(adapter.engine_id)
-            if current.pinned:
-                raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first: loractl unpin {name}")
+            if current.pinned and source == "host":
+                raise InvalidRequest(f"{name!r} is pinned in host RAM", f"Unpin it first: loractl unpin {name}")
             if source == "device" and current.tier == "device":
                 self._reasons[(adapter.engine_id, "device")] = "explicit"
                 await self.engine.deactivate_adapter(adapter.engine_id)
@@ -208,12 +211,12 @@ class Tiers:
 
     async def pin(self, name: str, *, reason: str = "explicit") -> Residency:
         adapter = self.resolver.resolve(name)
-        limit = self.max_loras - 1
+        limit = self.max_pins
         if name not in self.state.pins and len(self.state.pins) >= limit:
             raise InvalidRequest(
                 f"cannot pin {name!r}: {len(self.state.pins)} of at most {limit} pins are in use "
-                f"(max_loras - 1: a fully pinned device would stop every other adapter)",
-                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-loras.",
+                f"(max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
+                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.",
             )
         await self.load(name, "device", reason=reason)
         async with self._lock:

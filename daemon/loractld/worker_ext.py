@@ -57,9 +57,25 @@ def _lora_bytes(lora_model: Any) -> int:
 def loractl_deactivate(self, lora_id: int) -> bool:
     """Move an adapter off the device, keeping its host copy. False if it was not on device."""
     mgr = _manager(self)
-    if mgr is None or lora_id in mgr._active_adapters.pinned_items:
+    if mgr is None:
         return False
     return bool(mgr.deactivate_adapter(lora_id))
+
+
+def loractl_pin_host(self, lora_id: int) -> bool:
+    """Pin an adapter in host RAM only; False if it is not loaded there.
+
+    Not on the device: vLLM's scheduler admits up to max_loras distinct adapters per step
+    whatever is pinned, so a device slot held by a pin lets a step of max_loras other
+    adapters evict one of its own adapters mid-step and the engine dies (KeyError in
+    punica's convert_mapping; seen with max_loras=2 and one device pin). A host pin keeps
+    the adapter in RAM, one copy away from a slot, and never blocks a step.
+    """
+    mgr = _manager(self)
+    if mgr is None or lora_id not in mgr._registered_adapters:
+        return False
+    mgr._registered_adapters.pin(lora_id)
+    return True
 
 
 def loractl_unpin(self, lora_id: int) -> bool:
@@ -75,7 +91,7 @@ def loractl_unpin(self, lora_id: int) -> bool:
     return changed
 
 
-METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_unpin)}
+METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_unpin)}
 
 
 def install() -> None:

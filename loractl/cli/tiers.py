@@ -71,9 +71,10 @@ def evict(name: NameArg,
 
 
 def pin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
-    """Pin an adapter on the device, so it is never evicted; pins survive restarts.
+    """Pin an adapter: loaded now, and never evicted from host RAM; pins survive restarts.
 
-    At most max_loras - 1 adapters can be pinned, so other adapters always have a slot.
+    A pinned adapter is always one memory copy away from a device slot, never a disk read.
+    At most max_cpu_loras - max_loras adapters can be pinned, so RAM keeps room for others.
 
     Examples:
 
