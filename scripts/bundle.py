@@ -84,6 +84,7 @@ class BundleError(Exception):
         self.message = message
         self.hint = hint
         self.code = code
+        self.versions: list[str] = []
 
 
 def say(msg: str) -> None:
@@ -339,10 +340,12 @@ def pip_failure(done: subprocess.CompletedProcess, target: str) -> BundleError:
             return BundleError(f"pip could not reach the package index while looking for {m.group(1)}",
                                "check the network and pip's index settings (pip config list)")
         shown = ", ".join(versions[-8:]) if versions else "none"
-        return BundleError(
+        err = BundleError(
             f"no wheel of {m.group(1)} for {target} (versions with a wheel there: {shown})",
             "pick a version that has a wheel for that Python and platform, add a --platform tag it "
             "ships (e.g. manylinux_2_17_x86_64), or build a wheel and pass its .whl path")
+        err.versions = versions  # every version with a wheel for the target, for backtracking
+        return err
     if offline:
         return BundleError("pip could not reach the package index",
                            "check the network and pip's index settings (pip config list)")
@@ -487,7 +490,15 @@ def resolve(args, work: Path) -> Resolution:
                         + "; ".join(f"{s} (from {b})" for s, b in specs),
                         "pin compatible versions on the command line, or --have-pkg it if the target has it") from None
                 raise
-            culprit = max(movable, key=lambda n: fetch_order.get(n, 0))
+            # Prefer a requirer without whose range some available version fits all the others.
+            available = exc.versions
+
+            def fits_without(skip: str) -> bool:
+                rest = [s for s, _, bn in want.specs if s and bn != skip]
+                return any(all(satisfies(v, s) for s in rest) for v in available)
+
+            culprits = [bn for bn in movable if fits_without(bn)] or movable
+            culprit = max(culprits, key=lambda n: fetch_order.get(n, 0))
             version = dists[culprit].version
             excluded.setdefault(culprit, []).append(version)
             backtracks += 1
@@ -635,12 +646,16 @@ def pack(stage: Path, archive: Path) -> str:
             try:
                 with tarfile.open(fileobj=proc.stdin, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                     add_all(tar)
-            finally:
                 proc.stdin.close()
+            except BrokenPipeError:
+                pass  # xz died; its exit status says so below
+            finally:
                 rc = proc.wait()
-        if rc == 0:
-            return "xz -9 -T0"
-        warn(f"xz exited with {rc}; compressing with Python's lzma instead")
+        if rc != 0:
+            free = shutil.disk_usage(archive.parent).free
+            raise BundleError(f"xz failed (exit {rc}) while packing into {archive} ({mib(free)} free there)",
+                              "if that filesystem is full, free space or point --work at a bigger one")
+        return "xz -9 -T0"
     with tarfile.open(archive, mode="w:xz", preset=9, format=tarfile.PAX_FORMAT) as tar:
         add_all(tar)
     return "python lzma preset 9"
@@ -700,7 +715,8 @@ def cmd_build(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="bundle-work-", dir=work_root))
     started = time.monotonic()
     try:
-        clear_out(out, args.force)
+        if not args.resolve_only:
+            clear_out(out, args.force)
         res = resolve(args, work)
         if args.resolve_only:
             for d in sorted(res.dists, key=lambda d: d.name):
