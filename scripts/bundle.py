@@ -650,6 +650,10 @@ def pack(stage: Path, archive: Path) -> str:
             except BrokenPipeError:
                 pass  # xz died; its exit status says so below
             finally:
+                try:
+                    proc.stdin.close()  # on any error too, or xz would wait for more input forever
+                except BrokenPipeError:
+                    pass
                 rc = proc.wait()
         if rc != 0:
             free = shutil.disk_usage(archive.parent).free

@@ -9,6 +9,7 @@ errors become ``loractl: error: ...`` plus ``hint: ...`` on stderr and the error
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -45,8 +46,15 @@ def with_client(socket: str | None, home: str | None, body: Callable[[Client], A
         async with Client(socket, home=home) as client:
             return await body(client)
 
-    try:
+    with cli_errors():
         return asyncio.run(go())
+
+
+@contextlib.contextmanager
+def cli_errors():
+    """Domain errors become one error line, one hint and their exit code; Ctrl-C exits 130."""
+    try:
+        yield
     except LoractlError as e:
         if os.environ.get("LORACTL_DEBUG"):
             raise

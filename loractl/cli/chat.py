@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -11,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from loractl import paths
-from loractl.cli._common import HomeOpt, SocketOpt, fail, stderr
+from loractl.cli._common import HomeOpt, SocketOpt, stderr
+from loractl.cli._output import cli_errors
 from loractl.cli._complete import adapter_names
 from loractl.errors import LoractlError
 
@@ -108,25 +108,18 @@ def chat(
     from loractl.client import Client
 
     convo = Conversation(system, lora)
-    with asyncio.Runner() as runner:
+    with asyncio.Runner() as runner, cli_errors():
         client = Client(socket, home=home)
         try:
             if not sys.stdin.isatty():
                 text = sys.stdin.read().strip()
                 if not text:
-                    raise fail(LoractlError("nothing to say: stdin was empty", "Pipe a message into loractl chat."))
+                    raise LoractlError("nothing to say: stdin was empty", "Pipe a message into loractl chat.")
                 runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
                 sys.stdout.write("\n")
                 return
             runner.run(client.status())  # fail fast, with the usual hint, when no daemon is up
             _interactive(runner, client, convo, max_tokens, temperature, home)
-        except LoractlError as e:
-            if os.environ.get("LORACTL_DEBUG"):
-                raise
-            raise fail(e) from None
-        except KeyboardInterrupt:
-            stderr.print("interrupted")
-            raise typer.Exit(130) from None
         finally:
             client.close()
 
