@@ -755,6 +755,9 @@ def cmd_build(args) -> int:
         first = "vllm" if "vllm" in modules else (modules[0] if modules else "sys")
         check = (f"import {', '.join(modules) or 'sys'}; "
                  f"print(getattr({first}, '__version__', 'ok'))")
+        if has_vllm and "loractld" in modules:
+            # The real check: start the engine and answer a request with a LoRA adapter.
+            check = "import runpy; runpy.run_module('loractld.selfcheck', run_name='__main__')"
         manifest = {
             "format": FORMAT,
             "build_id": whole_sha[:12],

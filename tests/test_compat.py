@@ -41,3 +41,14 @@ def test_the_installed_vllm_matches_a_known_layout():
     assert compat.features(vllm.__version__).prefix_cache_key_has_path
     kwargs = compat.lora_request_kwargs(LoRARequest.__struct_fields__, name="a@1", engine_id=5, path="/x")
     assert LoRARequest(**kwargs).lora_int_id == 5
+
+
+def test_the_install_self_check_starts_the_engine_with_a_lora():
+    """`python -m loractld.selfcheck` is what an offline bundle runs after installing."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "loractld.selfcheck", "--device", "cpu"], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "selfcheck: vllm 0.32.0 on cpu" in result.stdout and result.stdout.rstrip().endswith(": ok")

@@ -85,3 +85,26 @@ def test_recover_removes_interrupted_pulls(demo, tmp_path):
     (store.objects / "orphan").mkdir()
     removed = store.recover()
     assert len(removed) == 2 and not any(store.tmp.iterdir()) and not any(store.objects.iterdir())
+
+
+def test_third_party_sources_plug_in_through_entry_points(monkeypatch, demo, tmp_path):
+    """A source registered under the `loractl.sources` entry-point group is consulted after
+    local folders and before the Hub (a stand-in EntryPoint: installing a distribution just
+    for this test would prove nothing more)."""
+    from importlib.metadata import EntryPoint
+
+    from loractld import sources
+
+    class S3Source(sources.LocalFolderSource):
+        name = "s3"
+
+        def accepts(self, ref):
+            return ref.startswith("s3://")
+
+    monkeypatch.setattr(sources, "entry_points", lambda group: [
+        EntryPoint(name="s3", value="test_validate:S3Source", group=group)] if group == sources.ENTRY_POINT_GROUP else [])
+    globals()["S3Source"] = S3Source
+    found = sources.load_sources()
+    assert [s.name for s in found] == ["local", "s3", "hf"]
+    assert sources.pick_source(found, "s3://bucket/adapter").name == "s3"
+    assert sources.pick_source(found, "org/repo").name == "hf"
