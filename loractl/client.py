@@ -55,8 +55,11 @@ class Client:
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, *, home: str | None = None,
-                 instance: str | None = None, timeout: float | None = None) -> None:
+                 instance: str | None = None, prefer_adapter: str | None = None,
+                 timeout: float | None = None) -> None:
         self.home = home
+        # With several daemons and no --instance: the one holding this adapter on device.
+        self.prefer_adapter = prefer_adapter
         self.instance = instance or os.environ.get("LORACTL_INSTANCE") or None
         # An explicit socket (argument or LORACTL_SOCKET) wins; otherwise the registry decides
         # at first use, and this default is where a single local daemon listens.
@@ -128,10 +131,11 @@ class Client:
         return f"Start it with: loractld --model demo --socket {self.socket_path}"
 
     @asynccontextmanager
-    async def _errors(self):
-        """Translate transport and gRPC failures into domain errors."""
+    async def _errors(self, prefer_adapter: str | None = None):
+        """Pick the daemon (see ``_discover``); translate transport and gRPC failures into
+        domain errors."""
         try:
-            self._connect()
+            self._connect(prefer_adapter or self.prefer_adapter)
             yield
         except GRPCError as e:
             raise from_wire(e.status, e.message) from e
@@ -189,8 +193,8 @@ class Client:
             sampling=sampling,
             lora=lora or "",
         )
-        async with self._errors():
-            async with self._connect(prefer_adapter=lora).Generate.open(timeout=self.timeout) as stream:
+        async with self._errors(prefer_adapter=lora):
+            async with self.stub.Generate.open(timeout=self.timeout) as stream:
                 await stream.send_message(request, end=True)
                 async for reply in stream:
                     yield Chunk(

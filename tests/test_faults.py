@@ -175,3 +175,31 @@ def test_64_clients_while_tiers_churn(daemon, demo, reference):
                                               adapter, n, n), i
     print(f"\n64 clients x {n} tokens in {elapsed:.2f} s ({64 * n / elapsed:.0f} tok/s) with {churn_ops} tier ops")
     assert run_cli("status", "--json", "--socket", str(daemon.socket)).returncode == 0
+
+
+def test_the_cli_routes_to_the_daemon_holding_the_adapter(daemon, home, demo, reference):
+    """Two ready daemons in one registry: plain commands ask which one, --instance picks,
+    and run/chat go to the daemon that already holds the adapter on device."""
+    other = start_daemon(home, name="r")
+    try:
+        name = "routed/v1"
+        assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name,
+                       "--socket", str(other.socket)).returncode == 0
+        assert run_cli("load", name, "--socket", str(other.socket)).returncode == 0
+        env = {"LORACTL_HOME": str(home)}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the registry entry follows the load within ~50 ms
+            metas = [i.metadata() for i in live_instances(home) if i.status == "ready"]
+            if any(name in m.get("lora", {}).get("loaded_loras", []) for m in metas):
+                break
+            time.sleep(0.1)
+        assert_one_error(run_cli("status", env=env), 2, "daemons are running", "--instance")
+        ours = next(i.instance_id for i in live_instances(home) if i.metadata().get("socket") == str(other.socket))
+        status = run_cli("--instance", ours, "status", "--json", env=env)
+        assert status.returncode == 0 and json.loads(status.stdout)["socket"] == str(other.socket)
+        out = run_cli("run", "--lora", name, "-t", "0", "-n", "8", "hi", env=env)
+        assert out.returncode == 0, out.stderr
+        expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "translator" / "v1", 8)
+        assert out.stdout == reference.text(expected) + "\n"
+    finally:
+        other.stop()

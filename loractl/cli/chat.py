@@ -109,7 +109,7 @@ def chat(
 
     convo = Conversation(system, lora)
     with asyncio.Runner() as runner, cli_errors():
-        client = Client(socket, home=home)
+        client = Client(socket, home=home, prefer_adapter=lora)
         try:
             if not sys.stdin.isatty():
                 text = sys.stdin.read().strip()
