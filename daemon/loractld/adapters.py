@@ -49,6 +49,11 @@ class AdapterResolver:
     is the digest's leading bits unless those are taken, so it is stable across restarts too.
     Validation results are cached by digest, so a request pays for hashing and validation
     once per content, not once per request.
+
+    Store names resolve from an in-memory index, so a request reads no manifest: an entry
+    stands while its name's store entry is unchanged — the same symlink target for a pulled
+    adapter (a pull or rm always swaps or removes the link), the same files (inode, size,
+    mtime) for one placed by hand. Checking that costs one or two system calls.
     """
 
     def __init__(self, store: Store, validate: Callable[[Path, bool], AdapterFacts]) -> None:
@@ -59,8 +64,31 @@ class AdapterResolver:
         self._ids: dict[str, int] = {}
         self._taken: set[int] = set()
         self._labels: dict[int, str] = {}
+        self._by_name: dict[str, tuple[tuple, AdapterRef]] = {}
 
     def resolve(self, lora: str) -> AdapterRef:
+        if not os.path.isabs(lora):
+            key = self._entry_key(lora)
+            cached = self._by_name.get(lora)
+            if key is not None and cached is not None and cached[0] == key:
+                return cached[1]
+        ref = self._resolve(lora)
+        if not os.path.isabs(lora) and key is not None:
+            self._by_name[lora] = (key, ref)
+        return ref
+
+    def _entry_key(self, name: str) -> tuple | None:
+        """What identifies the store entry behind ``name`` right now; None: look on disk."""
+        entry = self.store.root / name
+        try:
+            if entry.is_symlink():
+                return ("link", os.readlink(entry))
+            return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns)
+                                       for s in (os.stat(entry / CONFIG_FILE), os.stat(entry / WEIGHTS_FILE)))
+        except (OSError, ValueError):
+            return None
+
+    def _resolve(self, lora: str) -> AdapterRef:
         if os.path.isabs(lora):
             path = Path(lora)
             if not path.is_dir():

@@ -3,9 +3,10 @@
 1. Mixed batches are wrong: the torch LoRA ops index the stacked adapter weights with the
    per-token slot index, and ``-1`` ("this token uses no adapter") wraps to the *last* slot,
    so a base-model request batched with LoRA requests is served with that slot's adapter
-   (upstream vllm-project/vllm PRs #48421 and #49656). The masked ops below zero the input
-   rows of such tokens and clamp their index to a valid slot, so they get no LoRA delta;
-   rows with a real index go through the original op untouched.
+   (upstream vllm-project/vllm PRs #48421 and #49656). loractl's ops below replace the three
+   gathering ops: rows with index -1 get no LoRA delta, and every adapter's rows go through
+   one matrix product (``_per_slot``), which is also several times cheaper than the
+   per-token gather it replaces.
 2. bfloat16 dies with SIGILL in the AMX attention path because nothing asked the kernel for
    AMX tile permission; ``torch.cpu._init_amx()`` asks.
 
@@ -13,8 +14,8 @@ The worker runs in a process vLLM spawns, so the fixes are installed by loractl'
 ``vllm.general_plugins`` entry point (``vllm_plugin``), only when ``LORACTL_VLLM_CPU_FIXES=1``
 is set (loractld's engine sets it before it starts vLLM on the CPU).
 
-Invariant: installing is idempotent, and a batch in which every token has an adapter (or
-none has) computes exactly what the original ops compute.
+Invariant: installing is idempotent; a row with an adapter gets that adapter's product (the
+same sums the original ops compute, up to float rounding), a row without one gets none.
 """
 
 from __future__ import annotations
@@ -29,26 +30,60 @@ _PATCHED_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 _log = logging.getLogger("vllm.plugins.loractl_cpu_fixes")
 
 
-def _masked(original: Callable) -> Callable:
-    """Wrap a ``bgmv_*`` op (inputs, weights, output, indices, ...) so index -1 adds nothing."""
+def _per_slot(inputs, weights, indices, dtype):
+    """``inputs[t] @ weights[indices[t]].T`` for every row ``t``; rows whose index is -1 (no
+    adapter) get zeros.
 
-    def op(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs):
-        no_lora = lora_indices_tensor < 0
-        if bool(no_lora.any()):
-            keep = (~no_lora).unsqueeze(1).to(inputs.dtype)
-            inputs = inputs * keep
-            lora_indices_tensor = lora_indices_tensor.clamp(min=0)
-        return original(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs)
+    One matrix product per adapter in the batch instead of vLLM's per-token gather
+    (``weights[indices]`` copies a rank x hidden matrix for every token, then an einsum): the
+    same sums with a fraction of the memory traffic. In the profile of a loaded daemon the
+    gathered ops were about half of every engine step.
+    """
+    import torch
 
-    op.__name__ = original.__name__
-    op.__doc__ = original.__doc__
-    op.__wrapped__ = original  # type: ignore[attr-defined]
-    op._loractl_masked = True  # type: ignore[attr-defined]
-    return op
+    w = weights.squeeze(1) if weights.dim() == 4 else weights   # [slots, out, in]
+    x = inputs.to(dtype)
+    low, high = int(indices.min()), int(indices.max())
+    if low == high and low >= 0:  # the common step: one adapter for every row
+        return x @ w[low].to(dtype).t()
+    out = x.new_zeros((x.shape[0], w.shape[1]))
+    for slot in torch.unique(indices).tolist():
+        if slot >= 0:
+            rows = (indices == slot).nonzero(as_tuple=True)[0]
+            out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).t())
+    return out
 
 
-def install_masked_lora_ops() -> list[str]:
-    """Replace the torch LoRA ops everywhere vLLM bound them; return the patched modules."""
+def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+    outputs = _per_slot(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+    output_tensor[:, : outputs.shape[1]] = scaling * outputs
+
+
+def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_inputs: bool = True):
+    outputs = _per_slot(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    limit = 1 if outputs.shape[0] == 1 and output_tensor.shape[0] != 1 else output_tensor.shape[0]
+    # LoRA adapter and model may add different amounts of padding to the output (as upstream).
+    common = min(outputs.shape[1], output_tensor.shape[1])
+    if add_inputs:
+        output_tensor[:, :common] += outputs[:limit, :common]
+    else:
+        output_tensor[:, :common] = outputs[:limit, :common]
+
+
+def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int,
+                      slice_size: int, add_inputs: bool = True):
+    outputs = _per_slot(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    if add_inputs:
+        output_tensor[:, slice_offset: slice_offset + slice_size] += outputs
+    else:
+        output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
+
+
+REPLACEMENTS: dict[str, Callable] = {f.__name__: f for f in (bgmv_shrink, bgmv_expand, bgmv_expand_slice)}
+
+
+def install_lora_ops() -> list[str]:
+    """Put loractl's ops everywhere vLLM bound its torch LoRA ops; return the patched names."""
     import importlib
 
     patched = []
@@ -58,10 +93,9 @@ def install_masked_lora_ops() -> list[str]:
         "vllm.lora.punica_wrapper.punica_cpu",  # bound them at import time
     ):
         module = importlib.import_module(module_name)
-        for name in _PATCHED_NAMES:
-            current = getattr(module, name, None)
-            if current is not None and not getattr(current, "_loractl_masked", False):
-                setattr(module, name, _masked(current))
+        for name, replacement in REPLACEMENTS.items():
+            if getattr(module, name, None) is not None and getattr(module, name) is not replacement:
+                setattr(module, name, replacement)
                 patched.append(f"{module_name}.{name}")
     return patched
 
@@ -77,5 +111,5 @@ def init_amx() -> bool:
 def install() -> None:
     """Install both fixes in this process."""
     amx = init_amx()
-    patched = install_masked_lora_ops()
+    patched = install_lora_ops()
     _log.info("loractl CPU fixes installed (amx=%s, patched %d ops)", amx, len(patched))

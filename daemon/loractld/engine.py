@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -43,7 +44,10 @@ class EngineSettings:
     max_cpu_loras: int = 4          # host cache entries
     max_lora_rank: int = 16
     max_model_len: int = 1024
-    max_num_seqs: int = 16
+    # None: vLLM's own default for a server (128 sequences per step on CPU, more on large
+    # GPUs), the same as `vllm serve`. A smaller fixed cap queued requests in loractl that
+    # vLLM's server would have batched: TTFT grew with every stream past it.
+    max_num_seqs: int | None = None
     kv_cache_bytes: int | None = None   # required on CPU; None -> 256 MiB there
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -108,9 +112,17 @@ class Engine:
         self.dtype = dtype
         self.start_seconds = start_seconds
         self._tokenizer = llm.get_tokenizer()
+        # Rendering a chat template and tokenizing take milliseconds of pure Python/Rust work;
+        # on the event loop they would stall every stream the daemon serves. One thread, as
+        # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
         import vllm
 
         self.vllm_version = vllm.__version__
+        config = llm.vllm_config
+        # What vLLM settled on, which may differ from what was asked (None -> its default).
+        self.max_model_len = int(config.model_config.max_model_len)
+        self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -123,6 +135,7 @@ class Engine:
 
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         vllm_features = compat.features(vllm.__version__)
@@ -151,7 +164,9 @@ class Engine:
         )
         try:
             # Blocking for seconds; a thread keeps the daemon's loop (signals, Status) alive.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            # The server's usage context: the batch defaults users get from `vllm serve`.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args,
+                                          usage_context=UsageContext.OPENAI_API_SERVER)
         except Exception as e:
             raise EngineUnavailable(
                 f"the engine failed to start for model {settings.model!r}: {e}",
@@ -161,8 +176,17 @@ class Engine:
         _log.info("engine up in %.1f s (vllm %s, %s, %s)", engine.start_seconds, engine.vllm_version, device, dtype)
         return engine
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template."""
+    async def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of ``messages`` rendered with the model's chat template (off the loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self._render_chat, messages)
+
+    async def encode(self, prompt: str) -> list[int]:
+        """Token ids of a raw prompt (off the loop)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self._encode, prompt)
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:
@@ -172,7 +196,7 @@ class Engine:
             ) from e
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str) -> list[int]:
         return list(self._tokenizer.encode(prompt, add_special_tokens=False))
 
     def _lora_request(self, adapter: AdapterRef):
@@ -192,10 +216,10 @@ class Engine:
 
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
-        if len(prompt_token_ids) + sampling.max_tokens > self.settings.max_model_len:
+        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"the context of {self.settings.max_model_len} tokens",
+                f"the context of {self.max_model_len} tokens",
                 "Lower --max-tokens or shorten the prompt.",
             )
         params = SamplingParams(
@@ -231,9 +255,10 @@ class Engine:
             raise
 
     # -- the LoRA tiers (see loractld.worker_ext for the worker side) ------------------
-    async def lora_state(self) -> dict:
-        """What the worker really holds: host and device ids (LRU order), slots, pins."""
-        return (await self._llm.collective_rpc("loractl_lora_state"))[0]
+    async def lora_state(self, since: int = -1) -> dict:
+        """What the worker really holds: host and device ids (LRU order), slots, pins, and
+        the tier changes journaled after ``since`` (see worker_ext)."""
+        return (await self._llm.collective_rpc("loractl_lora_state", args=(since,)))[0]
 
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
@@ -263,6 +288,7 @@ class Engine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
         # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit
         # the module globals it needs are gone (a TypeError printed on every clean stop).

@@ -31,7 +31,7 @@ async def check(device: str) -> int:
     engine = await Engine.start(EngineSettings(model=str(root / "model"), device=device, max_model_len=256,
                                                kv_cache_bytes=64 << 20 if device == "cpu" else None))
     try:
-        prompt = engine.render_chat([{"role": "user", "content": "hello"}])
+        prompt = await engine.render_chat([{"role": "user", "content": "hello"}])
         outputs = {}
         for name, ref in (("base", None), ("lora", adapter)):
             ids: list[int] = []

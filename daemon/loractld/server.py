@@ -176,6 +176,7 @@ async def serve(settings: DaemonSettings) -> int:
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)
             service.set_engine(engine, tiers)
+            tiers.start_following()
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
@@ -195,6 +196,8 @@ async def serve(settings: DaemonSettings) -> int:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
     finally:
         stop_task.cancel()
+        if service.tiers is not None:
+            service.tiers.stop_following()
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()

@@ -133,6 +133,7 @@ class LoractlService(LoractlBase):
         # Adapter folders running requests may still need (vLLM reloads from disk after an
         # eviction): a replaced revision's folder is deleted only once none uses it.
         self._paths_in_use: collections.Counter[str] = collections.Counter()
+        self._retired: set[str] = set()  # replaced revisions' folders, deleted once unused
 
     def _in_group(self, uid: int, gid: int) -> bool:
         import grp
@@ -222,7 +223,7 @@ class LoractlService(LoractlBase):
             s = engine.settings
             config = pb.EngineConfig(
                 model=s.model, device=engine.device, dtype=engine.dtype, max_loras=s.max_loras,
-                max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank, max_model_len=s.max_model_len,
+                max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank, max_model_len=engine.max_model_len,
                 vllm_version=engine.vllm_version,
             )
         capacity = pb.Capacity()
@@ -261,6 +262,7 @@ class LoractlService(LoractlBase):
             self._serving[name] += 1
         if adapter:
             self._paths_in_use[str(adapter.path)] += 1
+            tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
         try:
             await self._tracked(stream, lambda: self._generate(engine, request, adapter, stream),
                                 "the daemon is shutting down; the generation was stopped")
@@ -268,11 +270,11 @@ class LoractlService(LoractlBase):
             if name:
                 self._serving[name] -= 1
             if adapter:
-                self._paths_in_use[str(adapter.path)] -= 1
-                if adapter.path.name and not self._paths_in_use[str(adapter.path)]:
+                path = str(adapter.path)
+                self._paths_in_use[path] -= 1
+                if path in self._retired and not self._paths_in_use[path]:
                     await self._collect_garbage(catalog)
-            if adapter and not self.draining:
-                await tiers.sync()  # report what a lazy load or an LRU eviction just did
+                tiers.note_activity()
 
     async def _generate(self, engine: Engine, request: pb.GenerateRequest, adapter: AdapterRef | None,
                         stream) -> None:
@@ -285,9 +287,9 @@ class LoractlService(LoractlBase):
                 raise InvalidRequest(f"unknown chat role {m.role!r}", f"Use one of: {', '.join(ROLES)}.")
         sampling = _sampling_from(request.sampling, Sampling())
         if request.messages:
-            prompt_ids = engine.render_chat([{"role": m.role, "content": m.content} for m in request.messages])
+            prompt_ids = await engine.render_chat([{"role": m.role, "content": m.content} for m in request.messages])
         else:
-            prompt_ids = engine.encode(request.prompt)
+            prompt_ids = await engine.encode(request.prompt)
         produced = 0
         async for delta in engine.generate(prompt_ids, sampling, adapter):
             produced += len(delta.token_ids)
@@ -417,11 +419,14 @@ class LoractlService(LoractlBase):
                 await self.tiers.pin(name, reason="new revision")
             if not self._paths_in_use[str(previous.path)]:
                 await self.engine.remove_adapter(old_id)
+        if previous is not None:
+            self._retired.add(str(previous.path))
         await self._collect_garbage(catalog)
 
     async def _collect_garbage(self, catalog: Catalog) -> None:
         keep = {path for path, count in self._paths_in_use.items() if count > 0}
         await asyncio.to_thread(catalog.store.collect_garbage, keep)
+        self._retired &= keep
 
     @domain_errors
     @mutating("rm")

@@ -10,11 +10,24 @@ process boundary (no ``VLLM_ALLOW_INSECURE_SERIALIZATION``).
 
 Invariant: every method runs in the engine-core loop between steps (that is how vLLM serves
 utility calls), so it never races a forward pass.
+
+The change journal: every entry point through which vLLM's worker changes the two tiers
+(each step's ``set_active_adapters``, ``add_adapter``, ``remove_adapter``, ``pin_adapter``,
+and loractl's own methods here) is wrapped to append what changed — a numbered
+``(seq, tier, "in"|"out", id)`` record — to a bounded journal kept on the manager. A step can
+load and evict adapters that no two reads of the state would catch (load then evict between
+them), so the daemon reads the journal, not a diff of snapshots, and can read as seldom as it
+likes (see ``tiers``): every change is still reported, in order. Comparing two sets of a few
+ids costs about a microsecond per step.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any
+
+JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
 
 
 def _manager(worker: Any):
@@ -23,12 +36,53 @@ def _manager(worker: Any):
     return getattr(lora, "_adapter_manager", None)
 
 
-def loractl_lora_state(self) -> dict[str, Any]:
-    """The true tier state: host and device ids in LRU order (oldest first), slots, pins."""
+def _record(mgr: Any) -> None:
+    """Append to ``mgr``'s journal what changed in either tier since the last record."""
+    host, device = set(mgr._registered_adapters.order), set(mgr._active_adapters.order)
+    seen_host, seen_device = mgr.__dict__.get("_loractl_seen", (set(), set()))
+    if host == seen_host and device == seen_device:
+        return
+    journal = mgr.__dict__.setdefault("_loractl_journal", collections.deque(maxlen=JOURNAL_LIMIT))
+    seq = mgr.__dict__.get("_loractl_seq", 0)
+    # Leaving before arriving: an eviction is what makes room for a load.
+    for tier, direction, ids in (("device", "out", seen_device - device), ("host", "out", seen_host - host),
+                                 ("host", "in", host - seen_host), ("device", "in", device - seen_device)):
+        for lora_id in sorted(ids):
+            seq += 1
+            journal.append((seq, tier, direction, int(lora_id)))
+    mgr._loractl_seq = seq
+    mgr._loractl_seen = (host, device)
+
+
+def _journaled(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            mgr = getattr(self, "_adapter_manager", None)
+            if mgr is not None and hasattr(mgr, "_registered_adapters"):
+                _record(mgr)
+
+    wrapper._loractl_journaled = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def loractl_lora_state(self, since: int = -1) -> dict[str, Any]:
+    """The true tier state: host and device ids in LRU order (oldest first), slots, pins;
+    plus the journal's records after ``since`` (none when ``since`` < 0)."""
     mgr = _manager(self)
     if mgr is None:
         return {"enabled": False}
+    _record(mgr)
     host, device = mgr._registered_adapters, mgr._active_adapters
+    journal = mgr.__dict__.get("_loractl_journal", ())
+    seq = mgr.__dict__.get("_loractl_seq", 0)
+    oldest = journal[0][0] if journal else seq + 1
+    sizes = mgr.__dict__.setdefault("_loractl_bytes", {})  # an id's weights never change size
+    for lora_id in host.order:
+        if lora_id not in sizes:
+            sizes[lora_id] = _lora_bytes(host.cache[lora_id])
     return {
         "enabled": True,
         "host": list(host.order),
@@ -38,7 +92,10 @@ def loractl_lora_state(self) -> dict[str, Any]:
         "pinned_device": sorted(device.pinned_items),
         "host_capacity": int(mgr.capacity),
         "device_capacity": int(mgr.lora_slots),
-        "host_bytes": {int(i): _lora_bytes(host.cache[i]) for i in host.order},
+        "host_bytes": {int(i): sizes[i] for i in host.order},
+        "seq": seq,
+        "changes": [list(r) for r in journal if r[0] > since] if since >= 0 else [],
+        "journal_complete": since < 0 or since + 1 >= oldest,
     }
 
 
@@ -59,7 +116,9 @@ def loractl_deactivate(self, lora_id: int) -> bool:
     mgr = _manager(self)
     if mgr is None:
         return False
-    return bool(mgr.deactivate_adapter(lora_id))
+    done = bool(mgr.deactivate_adapter(lora_id))
+    _record(mgr)
+    return done
 
 
 def loractl_pin_host(self, lora_id: int) -> bool:
@@ -92,10 +151,16 @@ def loractl_unpin(self, lora_id: int) -> bool:
 
 
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_unpin)}
+JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 
 def install() -> None:
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.v1.worker.worker_base import WorkerBase
 
     for name, method in METHODS.items():
         setattr(WorkerBase, name, method)
+    for name in JOURNALED:
+        method = getattr(LRUCacheWorkerLoRAManager, name)
+        if not getattr(method, "_loractl_journaled", False):
+            setattr(LRUCacheWorkerLoRAManager, name, _journaled(method))

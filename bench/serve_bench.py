@@ -1,0 +1,382 @@
+"""Head to head under load: loractl vs vLLM's own OpenAI server vs in-process ``AsyncLLM``.
+
+    .venv/bin/python bench/serve_bench.py --rounds 3 --out bench/results/serve-cpu.json
+
+All three run the same model with the same engine and LoRA settings, in the same run, and
+are driven with the same load, one system at a time (the others sit idle), alternating the
+order every round:
+
+- ``loractl``  — loractld through its Unix socket, driven by ``loractl.Client`` (gRPC);
+- ``server``   — ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs;
+  on the CPU wheel ``vllm serve`` fails its version lookup), driven by the ``openai`` package
+  over ``/v1/chat/completions`` with streaming;
+- ``asyncllm`` — vLLM's ``AsyncLLM`` in this process, prompts tokenized once up front.
+
+Workloads: ``base`` (no adapter), ``one`` (every request names adapter 0), ``zipf`` (adapter
+drawn Zipf(1.1) over ``--adapters`` adapters, more than ``--max-cpu-loras`` host entries, the
+same sequence for every system), each at every ``--streams`` level: N closed-loop clients that
+share a queue of max(16, 4N) requests of ``--tokens`` tokens (``min_tokens`` too, so every
+request does the same work). Activation (one stream): TTFT of adapter 0 when hot (on
+device), warm (pushed off the device by requests for ``max_loras`` others) and cold (pushed
+out of host RAM by ``max_cpu_loras`` others, files dropped from the page cache).
+
+Figures per cell: tokens/s over the cell's wall time, TTFT p50/p99/max, inter-token latency
+p50 (per request: time from first to last token over tokens - 1). Ratios are loractl over
+each baseline, per round; the report gives their median and spread over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _setup  # noqa: E402
+
+PROMPT = "Write a query that lists every user who ordered twice"
+MESSAGES = [{"role": "user", "content": PROMPT}]
+
+
+@dataclass
+class Sample:
+    ttft: float
+    tokens: int
+    itl: float | None   # mean gap between tokens after the first; None with < 2 tokens
+
+
+def _sample(began: float, stamps: list[float], tokens: int) -> Sample:
+    if not stamps:
+        raise RuntimeError("the request produced no token")
+    itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None
+    return Sample(stamps[0] - began, tokens, itl)
+
+
+# -- the three systems behind one interface ----------------------------------------------
+class LoractlSystem:
+    name = "loractl"
+
+    def __init__(self, socket_path: Path, names: list[str]) -> None:
+        from loractl import Client
+
+        self.client = Client(socket_path)
+        self.names = names
+
+    async def request(self, adapter: int | None, tokens: int) -> Sample:
+        began, stamps, n = time.perf_counter(), [], 0
+        async for chunk in self.client.generate(messages=MESSAGES, max_tokens=tokens, min_tokens=tokens,
+                                                temperature=0.0,
+                                                lora=self.names[adapter] if adapter is not None else None):
+            if chunk.token_ids:
+                stamps.append(time.perf_counter())
+                n += len(chunk.token_ids)
+        return _sample(began, stamps, n)
+
+    async def close(self) -> None:
+        self.client.close()
+
+
+class ServerSystem:
+    name = "server"
+
+    def __init__(self, port: int, model: str, names: list[str]) -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
+                                         timeout=600)
+        self.model = model
+        self.names = names
+
+    async def request(self, adapter: int | None, tokens: int) -> Sample:
+        began, stamps, n = time.perf_counter(), [], 0
+        stream = await self.client.chat.completions.create(
+            model=self.names[adapter] if adapter is not None else self.model, messages=MESSAGES,
+            max_tokens=tokens, temperature=0.0, stream=True, stream_options={"include_usage": True},
+            extra_body={"min_tokens": tokens})
+        usage = None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                stamps.append(time.perf_counter())
+                n += 1
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        # A chunk can hold more than one token; the usage chunk has the true count.
+        return _sample(began, stamps, usage or n)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class AsyncLLMSystem:
+    name = "asyncllm"
+
+    def __init__(self, llm, paths: list[Path]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.llm = llm
+        self.loras = [LoRARequest(lora_name=f"a{i}", lora_int_id=i + 1, lora_path=str(p)) for i, p in enumerate(paths)]
+        tokenizer = llm.get_tokenizer()
+        text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        self.prompt = {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        self.counter = itertools.count()
+
+    async def request(self, adapter: int | None, tokens: int) -> Sample:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0,
+                                output_kind=RequestOutputKind.DELTA)
+        began, stamps, n = time.perf_counter(), [], 0
+        async for out in self.llm.generate(self.prompt, params, f"r{next(self.counter)}",
+                                           lora_request=self.loras[adapter] if adapter is not None else None):
+            k = len(out.outputs[0].token_ids)
+            if k:
+                stamps.append(time.perf_counter())
+                n += k
+        return _sample(began, stamps, n)
+
+    async def close(self) -> None:
+        self.llm.shutdown()
+
+
+# -- the load -----------------------------------------------------------------------------
+def adapter_sequence(workload: str, count: int, adapters: int, seed: int) -> list[int | None]:
+    if workload == "base":
+        return [None] * count
+    if workload == "one":
+        return [0] * count
+    weights = [1 / (i + 1) ** 1.1 for i in range(adapters)]
+    return random.Random(seed).choices(range(adapters), weights=weights, k=count)
+
+
+async def cell(system, workload: str, streams: int, args, seed: int) -> dict:
+    count = args.requests or max(16, 4 * streams)
+    queue = list(reversed(adapter_sequence(workload, count, args.adapters, seed)))
+    if workload == "one":
+        await system.request(0, 2)  # this cell measures serving an adapter, not its first load
+    samples: list[Sample] = []
+
+    async def client() -> None:
+        while queue:
+            samples.append(await system.request(queue.pop(), args.tokens))
+
+    began = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(streams)))
+    wall = time.perf_counter() - began
+    ttfts = [s.ttft for s in samples]
+    itls = [s.itl for s in samples if s.itl is not None]
+    return {"requests": len(samples), "tokens_per_s": round(sum(s.tokens for s in samples) / wall, 1),
+            "ttft_p50_ms": _ms(statistics.median(ttfts)), "ttft_p99_ms": _ms(_setup.percentile(ttfts, 0.99)),
+            "ttft_max_ms": _ms(max(ttfts)), "itl_p50_ms": _ms(statistics.median(itls)) if itls else None,
+            "wall_s": round(wall, 3)}
+
+
+async def activation(system, args, work: Path, paths: list[Path]) -> dict:
+    """TTFT of adapter 0: hot, warm (off the device only), cold (out of host RAM too)."""
+    out = {}
+    await system.request(0, 2)
+    out["hot"] = (await system.request(0, 2)).ttft
+    for other in range(1, args.max_loras + 1):
+        await system.request(other, 2)
+    out["warm"] = (await system.request(0, 2)).ttft
+    for other in range(1, args.max_cpu_loras + 1):
+        await system.request(other, 2)
+    _setup.drop_page_cache(paths[0])
+    out["cold"] = (await system.request(0, 2)).ttft
+    return {tier: _ms(value) for tier, value in out.items()}
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 2)
+
+
+# -- starting the systems -------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, names: list[str], paths: list[Path], args, log: Path) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--enable-lora", "--max-loras", str(args.max_loras), "--max-cpu-loras",
+           str(args.max_cpu_loras), "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len),
+           "--seed", "0", "--disable-uvicorn-access-log", "--lora-modules",
+           *(f"{n}={p}" for n, p in zip(names, paths))]
+    if args.device == "cpu":
+        cmd += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
+                str(_setup.parse_kv(args.kv_cache) or 256 << 20)]
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    import urllib.request
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the vLLM server exited; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the vLLM server did not come up")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# -- the report ------------------------------------------------------------------------------
+def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
+    """Per cell and figure: loractl/baseline per round -> median and [min, max]."""
+    out = {}
+    for key in rounds[0][system]["cells"]:
+        figures = {}
+        for figure in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
+            values = [r[system]["cells"][key][figure] / r[baseline]["cells"][key][figure] for r in rounds
+                      if r[baseline]["cells"][key].get(figure) and r[system]["cells"][key].get(figure) is not None]
+            if values:
+                figures[figure] = {"median": round(statistics.median(values), 2),
+                                   "min": round(min(values), 2), "max": round(max(values), 2)}
+        out[key] = figures
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = ["| load | tok/s ×server | TTFT p50 ×server | TTFT p99 ×server | ITL p50 ×server | "
+             "tok/s ×AsyncLLM | TTFT p50 ×AsyncLLM | worst TTFT loractl / server (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    vs_server, vs_llm = report["ratios"]["loractl_over_server"], report["ratios"]["loractl_over_asyncllm"]
+
+    def fmt(r: dict, figure: str) -> str:
+        v = r.get(figure)
+        return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})" if v else "—"
+
+    for key in vs_server:
+        worst = {s: max(r[s]["cells"][key]["ttft_max_ms"] for r in report["rounds"]) for s in ("loractl", "server")}
+        lines.append(f"| {key} | {fmt(vs_server[key], 'tokens_per_s')} | {fmt(vs_server[key], 'ttft_p50_ms')} | "
+                     f"{fmt(vs_server[key], 'ttft_p99_ms')} | {fmt(vs_server[key], 'itl_p50_ms')} | "
+                     f"{fmt(vs_llm[key], 'tokens_per_s')} | {fmt(vs_llm[key], 'ttft_p50_ms')} | "
+                     f"{worst['loractl']:.0f} / {worst['server']:.0f} |")
+    act = ["", "| activation TTFT p50 (ms) | loractl | server | AsyncLLM | ×server | ×AsyncLLM |", "|---|---|---|---|---|---|"]
+    for tier in ("hot", "warm", "cold"):
+        med = {s: statistics.median(r[s]["activation"][tier] for r in report["rounds"])
+               for s in ("loractl", "server", "asyncllm")}
+        act.append(f"| {tier} | {med['loractl']:.1f} | {med['server']:.1f} | {med['asyncllm']:.1f} | "
+                   f"{med['loractl'] / med['server']:.2f} | {med['loractl'] / med['asyncllm']:.2f} |")
+    return "\n".join(lines + act)
+
+
+async def run_round(systems: list, args, work: Path, paths: list[Path], round_no: int) -> dict:
+    out = {}
+    order = systems[round_no % len(systems):] + systems[:round_no % len(systems)]
+    for system in order:
+        cells = {}
+        for workload in args.workloads:
+            for streams in args.streams:
+                cells[f"{workload}@{streams}"] = await cell(system, workload, streams, args, seed=round_no)
+                print(f"round {round_no} {system.name:8s} {workload}@{streams}: {cells[f'{workload}@{streams}']}",
+                      file=sys.stderr, flush=True)
+        out[system.name] = {"cells": cells, "activation": await activation(system, args, work, paths)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapters", type=int, default=6)
+    p.add_argument("--max-loras", type=int, default=2)
+    p.add_argument("--max-cpu-loras", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: each system's own (vLLM's) default")
+    p.add_argument("--kv-cache", default=None, help="e.g. 64MiB (CPU default 256MiB)")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--streams", default="1,8,32,64")
+    p.add_argument("--workloads", default="base,one,zipf")
+    p.add_argument("--systems", default="loractl,server,asyncllm")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=None, help="requests per cell (default: max(16, 4 x streams))")
+    p.add_argument("--workdir")
+    p.add_argument("--out")
+    args = p.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    args.workloads = args.workloads.split(",")
+    if args.adapters <= args.max_cpu_loras:
+        raise SystemExit("--adapters must exceed --max-cpu-loras (zipf and cold need evictions from host RAM)")
+    work = _setup.workdir(args.workdir)
+    model, paths = _setup.prepare(args.model, args.adapters, args.rank, work)
+    names = [f"bench/a{i}" for i in range(len(paths))]
+    wanted = args.systems.split(",")
+    home = work / "home"  # fresh each run: pins and the store of an earlier run would skew it
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir()
+
+    daemon = server = None
+    try:
+        extra = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
+        daemon = _setup.Daemon(model, args, home, extra) if "loractl" in wanted else None
+        server = start_server(model, [n.replace("/", "-") for n in names], paths, args, work / "server.log") \
+            if "server" in wanted else None
+
+        async def go() -> dict:
+            systems = []
+            if daemon:
+                from loractl import Client
+
+                async with Client(daemon.socket) as c:
+                    for name, path in zip(names, paths):
+                        async for _ in c.pull(str(path), name=name):
+                            pass
+                systems.append(LoractlSystem(daemon.socket, names))
+            if server:
+                systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
+            if "asyncllm" in wanted:
+                systems.append(AsyncLLMSystem(_setup.vllm_engine(model, args), paths))
+            try:
+                return {"rounds": [await run_round(systems, args, work, paths, i) for i in range(args.rounds)]}
+            finally:
+                for s in systems:
+                    await s.close()
+
+        results = asyncio.run(go())
+    finally:
+        if daemon:
+            daemon.stop()
+        if server:
+            stop(server[0])
+    report = {"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
+              "settings": {k: getattr(args, k) for k in ("device", "rank", "adapters", "max_loras", "max_cpu_loras",
+                                                         "max_model_len", "max_num_seqs", "kv_cache", "tokens",
+                                                         "streams", "workloads", "rounds")},
+              **results}
+    if {"loractl", "server", "asyncllm"} <= set(wanted):
+        report["ratios"] = {"loractl_over_server": ratios(report["rounds"], "loractl", "server"),
+                            "loractl_over_asyncllm": ratios(report["rounds"], "loractl", "asyncllm")}
+        report["markdown"] = markdown(report)
+        print(report["markdown"], file=sys.stderr)
+    _setup.write(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
