@@ -20,6 +20,9 @@ request does the same work). Activation (one stream): TTFT of adapter 0 when hot
 device), warm (pushed off the device by requests for ``max_loras`` others) and cold (pushed
 out of host RAM by ``max_cpu_loras`` others, files dropped from the page cache).
 
+Interleaved (one stream): requests alternate between the systems one by one, so the
+machine's drift hits all alike; this is the figure for loractl's added time to first token.
+
 Figures per cell: tokens/s over the cell's wall time, TTFT p50/p99/max, inter-token latency
 p50 (per request: time from first to last token over tokens - 1). Ratios are loractl over
 each baseline, per round; the report gives their median and spread over the rounds.
@@ -197,6 +200,22 @@ async def activation(system, args, work: Path, paths: list[Path]) -> dict:
     return {tier: _ms(value) for tier, value in out.items()}
 
 
+async def interleaved_ttft(systems: list, args) -> dict:
+    """One stream, requests alternating between the systems one by one (so drift in this
+    noisy machine's speed hits all alike): TTFT p50 per system and workload."""
+    out = {}
+    for workload in ("base", "one"):
+        adapter = 0 if workload == "one" else None
+        for system in systems:
+            await system.request(adapter, 2)
+        samples: dict[str, list[float]] = {s.name: [] for s in systems}
+        for _ in range(args.interleaved):
+            for system in systems:
+                samples[system.name].append((await system.request(adapter, 2)).ttft)
+        out[workload] = {name: _ms(statistics.median(values)) for name, values in samples.items()}
+    return out
+
+
 def _ms(seconds: float) -> float:
     return round(1000 * seconds, 2)
 
@@ -283,7 +302,16 @@ def markdown(report: dict) -> str:
                for s in ("loractl", "server", "asyncllm")}
         act.append(f"| {tier} | {med['loractl']:.1f} | {med['server']:.1f} | {med['asyncllm']:.1f} | "
                    f"{med['loractl'] / med['server']:.2f} | {med['loractl'] / med['asyncllm']:.2f} |")
-    return "\n".join(lines + act)
+    inter = ["", "| one stream, interleaved: TTFT p50 (ms) | loractl | server | AsyncLLM | loractl − AsyncLLM |",
+             "|---|---|---|---|---|"]
+    for workload in ("base", "one"):
+        med = {s: statistics.median(r["interleaved_ttft_p50_ms"][workload][s] for r in report["rounds"])
+               for s in ("loractl", "server", "asyncllm")}
+        spread = [r["interleaved_ttft_p50_ms"][workload]["loractl"] - r["interleaved_ttft_p50_ms"][workload]["asyncllm"]
+                  for r in report["rounds"]]
+        inter.append(f"| {workload} | {med['loractl']:.2f} | {med['server']:.2f} | {med['asyncllm']:.2f} | "
+                     f"{statistics.median(spread):+.2f} ({min(spread):+.2f} to {max(spread):+.2f}) |")
+    return "\n".join(lines + act + inter)
 
 
 async def run_round(systems: list, args, work: Path, paths: list[Path], round_no: int) -> dict:
@@ -297,6 +325,7 @@ async def run_round(systems: list, args, work: Path, paths: list[Path], round_no
                 print(f"round {round_no} {system.name:8s} {workload}@{streams}: {cells[f'{workload}@{streams}']}",
                       file=sys.stderr, flush=True)
         out[system.name] = {"cells": cells, "activation": await activation(system, args, work, paths)}
+    out["interleaved_ttft_p50_ms"] = await interleaved_ttft(order, args)
     return out
 
 
@@ -316,6 +345,8 @@ def main() -> None:
     p.add_argument("--workloads", default="base,one,zipf")
     p.add_argument("--systems", default="loractl,server,asyncllm")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--interleaved", type=int, default=100,
+                   help="requests per system in the one-stream interleaved TTFT comparison")
     p.add_argument("--requests", type=int, default=None, help="requests per cell (default: max(16, 4 x streams))")
     p.add_argument("--workdir")
     p.add_argument("--out")

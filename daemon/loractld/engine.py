@@ -30,6 +30,9 @@ _log = logging.getLogger("loractld.engine")
 
 # Variables that belong to loractld's own process and must not leak into vLLM's children:
 # systemd would otherwise accept their notifications, or they would try to reuse our sockets.
+# Prompts up to this many characters are tokenized on the event loop (see Engine._off_loop).
+INLINE_TOKENIZE_CHARS = 2048
+
 _PRIVATE_ENV = ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -177,14 +180,20 @@ class Engine:
         return engine
 
     async def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template (off the loop)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, self._render_chat, messages)
+        """Token ids of ``messages`` rendered with the model's chat template."""
+        return await self._off_loop(self._render_chat, messages, sum(len(m["content"]) for m in messages))
 
     async def encode(self, prompt: str) -> list[int]:
-        """Token ids of a raw prompt (off the loop)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, self._encode, prompt)
+        """Token ids of a raw prompt."""
+        return await self._off_loop(self._encode, prompt, len(prompt))
+
+    async def _off_loop(self, work, argument, size: int):
+        # A short prompt renders and tokenizes in tens of microseconds, less than the hop to
+        # a thread and back costs (and that hop is on every request's time to first token);
+        # a long one can take milliseconds and would stall every other stream.
+        if size <= INLINE_TOKENIZE_CHARS:
+            return work(argument)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, argument)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:

@@ -107,6 +107,16 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           socket_group=args.socket_group)
 
 
+def _run(coro):
+    """uvloop where installed (the engine extras bring it), as vLLM's own server runs: its
+    socket and callback handling is what a request's trip through the daemon is made of."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         args = config.resolve(build_parser, argv)
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        code = asyncio.run(serve(settings_from(args)))
+        code = _run(serve(settings_from(args)))
     except LoractlError as e:
         print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         if os.environ.get("LORACTL_DEBUG"):
