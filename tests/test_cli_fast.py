@@ -23,9 +23,10 @@ TYPER = "import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli.app impo
 REPORT = "\nimport atexit\natexit.register(lambda: print('TYPER', 'typer' in sys.modules, file=sys.stderr))\n"
 
 
-def run(template: str, argv: list[str], env: dict[str, str] | None = None, prog: str = "/usr/bin/loractl"):
+def run(template: str, argv: list[str], env: dict[str, str] | None = None, prog: str = "/usr/bin/loractl",
+        report: str = REPORT):
     base = {k: v for k, v in os.environ.items() if k not in HELP_ENV}
-    code = REPORT + template.format(prog=prog, argv=argv)
+    code = report + template.format(prog=prog, argv=argv)
     return subprocess.run([sys.executable, "-c", code], env={**base, **(env or {})}, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, encoding="utf-8", timeout=120)
 
@@ -75,3 +76,139 @@ def test_help_env_names_every_variable_typer_and_rich_read():
     assert {"COLUMNS", "FORCE_COLOR", "TERMINAL_WIDTH"} <= read, f"the scan found too little: {sorted(read)}"
     unclassified = read - HELP_ENV - harmless
     assert not unclassified, f"classify in loractl.cli.HELP_ENV or here: {sorted(unclassified)}"
+
+
+# --- loractl ls -------------------------------------------------------------------------------
+
+# The reference: loractl ls as before the fast paths, through Typer, the async Client and rich.
+SLOW_LS = ("import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import listing\n"
+           "listing._quick_list = lambda socket: None\nlisting._plain_width = lambda: None\n"
+           "from loractl.cli.app import app\napp()\n")
+LS_REPORT = ("import sys\nimport atexit\natexit.register(lambda: print('LOADED', sorted({m for m in sys.modules "
+             "if m in ('asyncio', 'grpclib.client', 'rich', 'typer', 'platformdirs')}), file=sys.stderr))\n")
+
+
+def adapter(name: str, **fields):
+    base = dict(name=name, source="local", revision="sha256:" + "ab12" * 16, base_model="demo", rank=8, alpha=16.0,
+                size_bytes=282_500, state="ready", tier="disk", slot=-1, target_modules=["q_proj"], requests=3)
+    return {**base, **fields}
+
+
+ADAPTERS = {
+    "four": [adapter(f"demo/adapter-{i}", tier=("device", "host", "disk", "disk")[i], pinned=i == 1, rank=4 << i)
+             for i in range(4)],
+    "states": [adapter("x/failed", state="failed"), adapter("x/loading", state="loading", last_used=1.0)],
+    "long-name": [adapter("org/" + "n" * 60)],
+    "hand-placed-odd-name": [adapter("Odd [name]:x:", hand_placed=True)],
+    "empty": [],
+}
+
+
+STUB_SERVER = """
+import asyncio, sys
+from pathlib import Path
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.server import Server
+from loractl.v1 import loractl_grpc, loractl_pb2 as pb
+sys.path.insert(0, {tests!r})
+from test_cli_fast import ADAPTERS
+
+async def list_(self, stream):
+    await stream.recv_message()
+    case = Path({case!r}).read_text()
+    if case == "error":
+        raise GRPCError(Status.NOT_FOUND, "no such thing")
+    await stream.send_message(pb.ListReply(adapters=[pb.Adapter(**a) for a in ADAPTERS[case]]))
+
+async def unimplemented(self, stream):
+    raise GRPCError(Status.UNIMPLEMENTED)
+
+async def main():
+    methods = dict.fromkeys(loractl_grpc.LoractlBase.__abstractmethods__, unimplemented)
+    server = Server([type("Stub", (loractl_grpc.LoractlBase,), {{**methods, "List": list_}})()])
+    await server.start(path={socket!r})
+    print("up", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_daemon():
+    """A grpclib server on a Unix socket whose List answers ADAPTERS[the case in a file]
+    (own process: the CLI's subprocesses call it while the test waits)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="lct-fast-", dir="/tmp"))
+    socket, case = root / "d.sock", root / "case"
+    code = STUB_SERVER.format(tests=str(REPO / "tests"), case=str(case), socket=str(socket))
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        yield socket, case
+    finally:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+@pytest.mark.parametrize("case", [*ADAPTERS, "error"])
+def test_fast_ls_prints_what_the_client_and_rich_print(stub_daemon, case, json_flag):
+    socket, case_file = stub_daemon
+    case_file.write_text(case)
+    argv = ["ls", *json_flag, "--socket", str(socket)]
+    fast, slow = run(MAIN, argv, report=LS_REPORT), run(SLOW_LS, argv, report=LS_REPORT)
+    assert (fast.stdout, fast.returncode) == (slow.stdout, slow.returncode)
+    assert fast.stderr.split("LOADED")[0] == slow.stderr.split("LOADED")[0]
+    # A table wider than the 80 columns is cut by rich, which then does the printing.
+    if case in ("four", "states") or (case == "long-name" and json_flag):
+        assert fast.returncode == 0 and fast.stdout.strip()
+        assert "LOADED []" in fast.stderr, "the fast path loaded asyncio, grpclib's client, rich or Typer"
+    if case == "error":
+        assert fast.returncode != 0 and "no such thing" in fast.stderr
+
+
+def test_fast_ls_without_a_daemon_reports_what_the_client_reports(tmp_path):
+    argv = ["ls", "--socket", str(tmp_path / "none.sock")]
+    fast, slow = run(MAIN, argv), run(SLOW_LS, argv)
+    assert fast.returncode == slow.returncode == 3, fast.stderr
+    assert fast.stderr.split("TYPER")[0] == slow.stderr.split("TYPER")[0]
+    assert "no loractl daemon is listening" in fast.stderr
+
+
+@pytest.mark.parametrize("width", [40, 62, 80, 200])
+def test_plain_table_is_rich_table_or_none(width):
+    import io
+    import random
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from loractl.cli.listing import COLUMNS, plain_table
+
+    rng = random.Random(width)
+    checked = 0
+    for _ in range(60):
+        rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host*", "device"]),
+                 f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
+                 rng.choice(["-", "5s ago", "12d ago"])) for _ in range(rng.randint(1, 4))]
+        states = [rng.choice(["ready", "ready", "failed", "loading"]) for _ in rows]
+        min_widths = (min(40, max(len(r[0]) for r in rows)), 7, 8, 4, 12, 7)
+        console = Console(file=io.StringIO(), width=width, highlight=False, color_system=None)
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for header, min_width in zip(COLUMNS, min_widths):
+            table.add_column(header, no_wrap=True, min_width=min_width)
+        for row, state in zip(rows, states):
+            table.add_row(row[0], {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]"}.get(state, row[1]),
+                          *row[2:])
+        console.print(table)
+        plain = plain_table(rows, states, min_widths, width)
+        if plain is not None:
+            assert plain == console.file.getvalue(), (rows, states)
+            checked += 1
+    # Each width must exercise the plain renderer (40 columns can fit no row: it must decline).
+    assert checked > 0 if width > 40 else checked == 0
