@@ -12,8 +12,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
 APP = "loractl"
 SOCKET_NAME = "loractld.sock"
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
@@ -48,6 +46,8 @@ def layout(home: str | os.PathLike[str] | None = None) -> Layout:
     if home:
         root = Path(home).expanduser().absolute()
         return Layout(home=root, data_dir=root, state_dir=root / "state", runtime_dir=root)
+    import platformdirs  # here: an explicit --socket (a fast `loractl ls`) never needs it
+
     return Layout(
         home=None,
         data_dir=Path(platformdirs.user_data_dir(APP)),
@@ -59,6 +59,8 @@ def layout(home: str | os.PathLike[str] | None = None) -> Layout:
 def _user_runtime_dir() -> Path:
     # Without XDG_RUNTIME_DIR (ssh sessions, containers) platformdirs warns and falls back to
     # /tmp/runtime-UID, which is what we want; the warning would only clutter CLI output.
+    import platformdirs
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Path(platformdirs.user_runtime_dir(APP))

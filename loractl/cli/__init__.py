@@ -1,11 +1,23 @@
 """The ``loractl`` command line: one module per command group, assembled in ``app``.
 
-``main`` is the console script. It keeps the hottest command cheap: see ``_fast_ls``.
+``main`` is the console script. It keeps the hottest invocations cheap: see ``_fast_ls`` and
+``_fast_help``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Environment variables that change what Typer and rich print for a help page going into a
+# pipe (width, forced colour or terminal, cell widths, Typer without rich), or that make the
+# invocation something else entirely (shell completion). tests/test_cli_fast.py checks this
+# list against the variables Typer and rich read.
+HELP_ENV = frozenset({
+    "COLUMNS", "TERMINAL_WIDTH", "FORCE_COLOR", "PY_COLORS", "GITHUB_ACTIONS", "TTY_COMPATIBLE",
+    "TTY_INTERACTIVE", "_TYPER_FORCE_DISABLE_TERMINAL", "TYPER_USE_RICH", "UNICODE_VERSION",
+    "JUPYTER_COLUMNS", "JUPYTER_LINES", "DATABRICKS_RUNTIME_VERSION", "_LORACTL_COMPLETE",
+})
 
 
 def _fast_ls(argv: list[str]) -> bool:
@@ -31,8 +43,48 @@ def _fast_ls(argv: list[str]) -> bool:
     return True
 
 
+def _pipe_width() -> int:
+    """The width rich would give a console here: the first standard stream that is a
+    terminal, overridden by $COLUMNS, else 80."""
+    width = 0
+    for fd in (0, 1, 2):
+        try:
+            width = os.get_terminal_size(fd).columns
+        except (AttributeError, ValueError, OSError):
+            continue
+        break
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    return width or 80
+
+
+def _fast_help(argv: list[str], prog: str) -> bool:
+    """``loractl --help``, ``-h`` and bare ``loractl`` print the page scripts/gen_help.py
+    rendered through Typer (whose import and rich rendering were ~85% of the run), when this
+    run would render exactly that page: into a pipe, at its width, in UTF-8, under the same
+    program name, none of HELP_ENV set. A terminal gets Typer itself (colours, its width)."""
+    if argv not in ([], ["--help"], ["-h"]) or prog != "loractl" or sys.platform == "win32":
+        return False
+    out = sys.stdout
+    if out is None or out.isatty() or not (getattr(out, "encoding", "") or "").lower().startswith("utf"):
+        return False
+    if HELP_ENV.intersection(os.environ):
+        return False
+    from loractl.cli import _help
+
+    if _pipe_width() != _help.WIDTH:
+        return False
+    out.write(_help.HELP if argv else _help.NO_ARGS)
+    out.flush()
+    if not argv:
+        raise SystemExit(2)  # as Typer's no_args_is_help does
+    return True
+
+
 def main() -> None:
-    if _fast_ls(sys.argv[1:]):
+    argv = sys.argv[1:]
+    if _fast_help(argv, os.path.basename(sys.argv[0])) or _fast_ls(argv):
         return
     from loractl.cli.app import app
 

@@ -8,7 +8,6 @@ errors become ``loractl: error: ...`` plus ``hint: ...`` on stderr and the error
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -16,21 +15,36 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rich.console import Console
-
 from loractl.errors import LoractlError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from loractl.client import Client
 
 T = TypeVar("T")
 
-stdout = Console(highlight=False)  # tables must fit the terminal: no soft wrap here
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+_consoles: dict[str, Console] = {}
+
+
+def __getattr__(name: str) -> Console:
+    """``stdout`` and ``stderr``, rich consoles made at first use: rich's import is a large
+    share of a fast ``loractl ls``, which mostly needs neither."""
+    if name not in ("stdout", "stderr"):
+        raise AttributeError(name)
+    if name not in _consoles:
+        from rich.console import Console
+
+        if name == "stdout":
+            _consoles[name] = Console(highlight=False)  # tables must fit the terminal: no soft wrap here
+        else:
+            _consoles[name] = Console(stderr=True, highlight=False, soft_wrap=True)
+    return _consoles[name]
 
 
 def fail(error: LoractlError) -> SystemExit:
     """Print a domain error as one line plus a hint; the caller raises the returned exit."""
+    stderr = __getattr__("stderr")
     stderr.print(f"[bold red]loractl: error:[/] {error.message}", markup=True, highlight=False)
     if error.hint:
         stderr.print(f"[dim]hint:[/] {error.hint}", markup=True, highlight=False)
@@ -39,6 +53,8 @@ def fail(error: LoractlError) -> SystemExit:
 
 def with_client(socket: str | None, home: str | None, body: Callable[[Client], Awaitable[T]]) -> T:
     """Run ``body`` with a connected client; map every domain error to a clean exit."""
+
+    import asyncio
 
     from loractl.client import Client  # here, not at import: `loractl --help` needs no gRPC
 
@@ -60,7 +76,7 @@ def cli_errors():
             raise
         raise fail(e) from None
     except KeyboardInterrupt:
-        stderr.print("interrupted")
+        __getattr__("stderr").print("interrupted")
         raise SystemExit(130) from None
 
 

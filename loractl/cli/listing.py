@@ -3,37 +3,103 @@
 from __future__ import annotations
 
 import datetime
+import os
+import re
+import sys
+from typing import Any
 
-from loractl.cli._output import human_bytes, print_json, short_revision, stderr, stdout, with_client
+from loractl.cli._output import human_bytes, print_json, short_revision, with_client
+
+COLUMNS = ("NAME", "TIER", "SIZE", "RANK", "REVISION", "USED")
+# Text rich prints as it is: no markup ([), no emoji codes (:), no wide or control characters.
+_PLAIN_CELL = re.compile(r"[A-Za-z0-9 ._/*+-]*\Z")
 
 
 def list_adapters(socket: str | None, home: str | None, json_output: bool) -> None:
-    adapters = with_client(socket, home, lambda client: client.list())
+    adapters = _quick_list(socket)
+    if adapters is None:
+        adapters = with_client(socket, home, lambda client: client.list())
     if json_output:
         print_json(adapters)
         return
     if not adapters:
+        from loractl.cli._output import stderr
+
         stderr.print("no adapters yet: loractl pull ORG/REPO")
+        return
+    rows = [(a["name"], a["tier"] + ("*" if a["pinned"] else ""), human_bytes(int(a["size_bytes"])), str(a["rank"]),
+             short_revision(a["revision"]), ago(a["last_used"])) for a in adapters]
+    # Names are what users copy into the next command: they never get cut.
+    min_widths = (min(40, max(len(a["name"]) for a in adapters)), 7, 8, 4, 12, 7)
+    states = [a["state"] for a in adapters]
+    text = plain_table(rows, states, min_widths, _plain_width()) if _plain_width() else None
+    if text is not None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
         return
     from rich.table import Table
 
+    from loractl.cli._output import stdout
+
     table = Table(box=None, pad_edge=False, header_style="bold")
-    # Names are what users copy into the next command: they never get cut.
-    table.add_column("NAME", no_wrap=True, min_width=min(40, max(len(a["name"]) for a in adapters)))
-    table.add_column("TIER", no_wrap=True, min_width=7)
-    table.add_column("SIZE", no_wrap=True, min_width=8)
-    table.add_column("RANK", no_wrap=True, min_width=4)
-    table.add_column("REVISION", no_wrap=True, min_width=12)
-    table.add_column("USED", no_wrap=True, min_width=7)
-    for a in adapters:
-        tier = a["tier"] + ("*" if a["pinned"] else "")
-        if a["state"] == "failed":
-            tier = "[red]failed[/]"
-        elif a["state"] == "loading":
-            tier = "[yellow]loading[/]"
-        table.add_row(a["name"], tier, human_bytes(int(a["size_bytes"])), str(a["rank"]),
-                      short_revision(a["revision"]), ago(a["last_used"]))
+    for header, min_width in zip(COLUMNS, min_widths):
+        table.add_column(header, no_wrap=True, min_width=min_width)
+    for row, state in zip(rows, states):
+        tier = {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]"}.get(state, row[1])
+        table.add_row(row[0], tier, *row[2:])
     stdout.print(table)
+
+
+def _quick_list(socket: str | None) -> list[dict[str, Any]] | None:
+    """The adapters, asked without asyncio or grpclib when the socket is named; None when
+    that cannot be done (see ``loractl.cli._quick``)."""
+    from loractl.cli._quick import explicit_socket, unary
+
+    path = explicit_socket(socket)
+    if path is None:
+        return None
+    from loractl.v1 import loractl_pb2 as pb
+
+    reply = unary(path, "/loractl.v1.Loractl/List", pb.ListRequest().SerializeToString())
+    if reply is None:
+        return None
+    from google.protobuf.json_format import MessageToDict
+
+    # As loractl.client.to_dict (tests/test_cli_fast.py compares the two paths' output).
+    return [MessageToDict(a, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            for a in pb.ListReply.FromString(reply).adapters]
+
+
+def _plain_width() -> int | None:
+    """The width rich would print at, when it would print plain text (no colour, no terminal
+    quirks); else None and rich does the printing."""
+    from loractl.cli import HELP_ENV, _pipe_width
+
+    out = sys.stdout
+    if sys.platform == "win32" or out is None or out.isatty() or HELP_ENV.intersection(os.environ):
+        return None
+    return _pipe_width()
+
+
+def plain_table(rows: list[tuple[str, ...]], states: list[str], min_widths: tuple[int, ...],
+                width: int) -> str | None:
+    """The table exactly as rich prints ``Table(box=None, pad_edge=False)`` of no_wrap columns
+    without colour, or None when rich would do more than pad (cut, wrap, interpret markup)."""
+    rows = [(row[0], state if state in ("failed", "loading") else row[1], *row[2:]) for row, state in zip(rows, states)]
+    if not all(_PLAIN_CELL.match(cell) for row in rows for cell in row):
+        return None
+    last = len(COLUMNS) - 1
+    # Each cell is padded one space each side, except the table's outer edges (pad_edge=False).
+    pads = [(0 if i == 0 else 1) + (0 if i == last else 1) for i in range(len(COLUMNS))]
+    widths = [max(min_widths[i], len(COLUMNS[i]), *(len(row[i]) for row in rows)) for i in range(len(COLUMNS))]
+    if sum(w + p for w, p in zip(widths, pads)) > width:
+        return None
+    lines = []
+    for row in [COLUMNS, *rows]:
+        cells = [("" if i == 0 else " ") + cell.ljust(widths[i]) + ("" if i == last else " ")
+                 for i, cell in enumerate(row)]
+        lines.append("".join(cells) + "\n")
+    return "".join(lines)
 
 
 def ago(timestamp: float) -> str:

@@ -1,0 +1,214 @@
+"""The CLI's fast paths (``loractl.cli.main``) print exactly what the Typer app prints.
+
+No engine: the help checks need nothing, the ``ls`` checks talk to a stub gRPC server that
+answers List with a canned reply.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from loractl.cli import HELP_ENV
+
+# Run as the console script does: argv[0] is the script's path, the entry is loractl.cli.main.
+MAIN = "import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import main\nmain()\n"
+TYPER = "import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli.app import app\napp()\n"
+REPORT = "\nimport atexit\natexit.register(lambda: print('TYPER', 'typer' in sys.modules, file=sys.stderr))\n"
+
+
+def run(template: str, argv: list[str], env: dict[str, str] | None = None, prog: str = "/usr/bin/loractl",
+        report: str = REPORT):
+    base = {k: v for k, v in os.environ.items() if k not in HELP_ENV}
+    code = report + template.format(prog=prog, argv=argv)
+    return subprocess.run([sys.executable, "-c", code], env={**base, **(env or {})}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, encoding="utf-8", timeout=120)
+
+
+def test_help_module_is_current():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_help.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stderr}{done.stdout}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "bare"])
+def test_fast_help_is_typers_page_without_typer(argv):
+    fast, typer = run(MAIN, argv), run(TYPER, argv)
+    assert "TYPER False" in fast.stderr, "the help fast path was not taken (or imported Typer)"
+    assert "TYPER True" in typer.stderr
+    assert (fast.stdout, fast.returncode) == (typer.stdout, typer.returncode)
+    assert "Usage: loractl [OPTIONS] COMMAND [ARGS]..." in fast.stdout
+
+
+@pytest.mark.parametrize("env, prog", [({"COLUMNS": "100"}, "/usr/bin/loractl"), ({"FORCE_COLOR": "1"}, "/usr/bin/loractl"),
+                                       ({}, "/usr/bin/lctl")], ids=["columns", "force-color", "other-name"])
+def test_help_that_would_differ_goes_through_typer(env, prog):
+    fast, typer = run(MAIN, ["--help"], env, prog), run(TYPER, ["--help"], env, prog)
+    assert "TYPER True" in fast.stderr, "the fast path printed a page rendered for other conditions"
+    assert fast.stdout == typer.stdout
+
+
+def test_help_env_names_every_variable_typer_and_rich_read():
+    """A Typer or rich upgrade that reads a new variable must be classified here, or the fast
+    path could print a stale page when it is set."""
+    # Read by them, but with no effect on a page going into a pipe (colours and terminal
+    # type matter only on a terminal; LINES only sets the height; help never pages).
+    harmless = {"NO_COLOR", "COLORTERM", "TERM", "LINES", "XDG_CONFIG_HOME", "PYDANTIC_DISABLE_PLUGINS",
+                "COMP_WORDS", "COMP_CWORD", "TYPER_STANDARD_TRACEBACK", "_TYPER_STANDARD_TRACEBACK",
+                "PAGER", "LESS"}
+    read = set()
+    for package in ("typer", "rich", "click"):
+        try:
+            root = Path(__import__(package).__file__).parent
+        except ImportError:
+            continue
+        for source in root.rglob("*.py"):
+            text = source.read_text(encoding="utf-8", errors="replace")
+            read |= set(re.findall(r"""(?:environ\b[^\n]{0,20}?|getenv\()\s*[\[(.]?(?:get\()?\s*["']([A-Z_][A-Z0-9_]*)["']""",
+                                   text))
+    read = {name for name in read if not name.startswith("_TYPER_COMPLETE")}
+    assert {"COLUMNS", "FORCE_COLOR", "TERMINAL_WIDTH"} <= read, f"the scan found too little: {sorted(read)}"
+    unclassified = read - HELP_ENV - harmless
+    assert not unclassified, f"classify in loractl.cli.HELP_ENV or here: {sorted(unclassified)}"
+
+
+# --- loractl ls -------------------------------------------------------------------------------
+
+# The reference: loractl ls as before the fast paths, through Typer, the async Client and rich.
+SLOW_LS = ("import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import listing\n"
+           "listing._quick_list = lambda socket: None\nlisting._plain_width = lambda: None\n"
+           "from loractl.cli.app import app\napp()\n")
+LS_REPORT = ("import sys\nimport atexit\natexit.register(lambda: print('LOADED', sorted({m for m in sys.modules "
+             "if m in ('asyncio', 'grpclib.client', 'rich', 'typer', 'platformdirs')}), file=sys.stderr))\n")
+
+
+def adapter(name: str, **fields):
+    base = dict(name=name, source="local", revision="sha256:" + "ab12" * 16, base_model="demo", rank=8, alpha=16.0,
+                size_bytes=282_500, state="ready", tier="disk", slot=-1, target_modules=["q_proj"], requests=3)
+    return {**base, **fields}
+
+
+ADAPTERS = {
+    "four": [adapter(f"demo/adapter-{i}", tier=("device", "host", "disk", "disk")[i], pinned=i == 1, rank=4 << i)
+             for i in range(4)],
+    "states": [adapter("x/failed", state="failed"), adapter("x/loading", state="loading", last_used=1.0)],
+    "long-name": [adapter("org/" + "n" * 60)],
+    "hand-placed-odd-name": [adapter("Odd [name]:x:", hand_placed=True)],
+    "empty": [],
+}
+
+
+STUB_SERVER = """
+import asyncio, sys
+from pathlib import Path
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.server import Server
+from loractl.v1 import loractl_grpc, loractl_pb2 as pb
+sys.path.insert(0, {tests!r})
+from test_cli_fast import ADAPTERS
+
+async def list_(self, stream):
+    await stream.recv_message()
+    case = Path({case!r}).read_text()
+    if case == "error":
+        raise GRPCError(Status.NOT_FOUND, "no such thing")
+    await stream.send_message(pb.ListReply(adapters=[pb.Adapter(**a) for a in ADAPTERS[case]]))
+
+async def unimplemented(self, stream):
+    raise GRPCError(Status.UNIMPLEMENTED)
+
+async def main():
+    methods = dict.fromkeys(loractl_grpc.LoractlBase.__abstractmethods__, unimplemented)
+    server = Server([type("Stub", (loractl_grpc.LoractlBase,), {{**methods, "List": list_}})()])
+    await server.start(path={socket!r})
+    print("up", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def stub_daemon():
+    """A grpclib server on a Unix socket whose List answers ADAPTERS[the case in a file]
+    (own process: the CLI's subprocesses call it while the test waits)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="lct-fast-", dir="/tmp"))
+    socket, case = root / "d.sock", root / "case"
+    code = STUB_SERVER.format(tests=str(REPO / "tests"), case=str(case), socket=str(socket))
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        yield socket, case
+    finally:
+        server.terminate()
+        server.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
+@pytest.mark.parametrize("case", [*ADAPTERS, "error"])
+def test_fast_ls_prints_what_the_client_and_rich_print(stub_daemon, case, json_flag):
+    socket, case_file = stub_daemon
+    case_file.write_text(case)
+    argv = ["ls", *json_flag, "--socket", str(socket)]
+    fast, slow = run(MAIN, argv, report=LS_REPORT), run(SLOW_LS, argv, report=LS_REPORT)
+    assert (fast.stdout, fast.returncode) == (slow.stdout, slow.returncode)
+    assert fast.stderr.split("LOADED")[0] == slow.stderr.split("LOADED")[0]
+    # A table wider than the 80 columns is cut by rich, which then does the printing.
+    if case in ("four", "states") or (case == "long-name" and json_flag):
+        assert fast.returncode == 0 and fast.stdout.strip()
+        assert "LOADED []" in fast.stderr, "the fast path loaded asyncio, grpclib's client, rich or Typer"
+    if case == "error":
+        assert fast.returncode != 0 and "no such thing" in fast.stderr
+
+
+def test_fast_ls_without_a_daemon_reports_what_the_client_reports(tmp_path):
+    argv = ["ls", "--socket", str(tmp_path / "none.sock")]
+    fast, slow = run(MAIN, argv), run(SLOW_LS, argv)
+    assert fast.returncode == slow.returncode == 3, fast.stderr
+    assert fast.stderr.split("TYPER")[0] == slow.stderr.split("TYPER")[0]
+    assert "no loractl daemon is listening" in fast.stderr
+
+
+@pytest.mark.parametrize("width", [40, 62, 80, 200])
+def test_plain_table_is_rich_table_or_none(width):
+    import io
+    import random
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from loractl.cli.listing import COLUMNS, plain_table
+
+    rng = random.Random(width)
+    checked = 0
+    for _ in range(60):
+        rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host*", "device"]),
+                 f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
+                 rng.choice(["-", "5s ago", "12d ago"])) for _ in range(rng.randint(1, 4))]
+        states = [rng.choice(["ready", "ready", "failed", "loading"]) for _ in rows]
+        min_widths = (min(40, max(len(r[0]) for r in rows)), 7, 8, 4, 12, 7)
+        console = Console(file=io.StringIO(), width=width, highlight=False, color_system=None)
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for header, min_width in zip(COLUMNS, min_widths):
+            table.add_column(header, no_wrap=True, min_width=min_width)
+        for row, state in zip(rows, states):
+            table.add_row(row[0], {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]"}.get(state, row[1]),
+                          *row[2:])
+        console.print(table)
+        plain = plain_table(rows, states, min_widths, width)
+        if plain is not None:
+            assert plain == console.file.getvalue(), (rows, states)
+            checked += 1
+    # Each width must exercise the plain renderer (40 columns can fit no row: it must decline).
+    assert checked > 0 if width > 40 else checked == 0
