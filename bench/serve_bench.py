@@ -20,8 +20,10 @@ request does the same work). Activation (one stream): TTFT of adapter 0 when hot
 device), warm (pushed off the device by requests for ``max_loras`` others) and cold (pushed
 out of host RAM by ``max_cpu_loras`` others, files dropped from the page cache).
 
-Interleaved (one stream): requests alternate between the systems one by one, so the
+Interleaved (one stream): blocks of 20 requests alternate between the systems, so the
 machine's drift hits all alike; this is the figure for loractl's added time to first token.
+Before every cell and block the benchmark pauses 0.4 s: the engines share a core, and
+OpenMP threads spin for up to ~200 ms after the last step of the engine that ran before.
 
 Figures per cell: tokens/s over the cell's wall time, TTFT p50/p99/max, inter-token latency
 p50 (per request: time from first to last token over tokens - 1). Ratios are loractl over
@@ -50,6 +52,8 @@ import _setup  # noqa: E402
 
 PROMPT = "Write a query that lists every user who ordered twice"
 MESSAGES = [{"role": "user", "content": PROMPT}]
+SETTLE_S = 0.4
+INTERLEAVE_BLOCK = 20
 
 
 @dataclass
@@ -165,6 +169,7 @@ def adapter_sequence(workload: str, count: int, adapters: int, seed: int) -> lis
 
 async def cell(system, workload: str, streams: int, args, seed: int) -> dict:
     count = args.requests or max(16, 4 * streams)
+    await settle()
     queue = list(reversed(adapter_sequence(workload, count, args.adapters, seed)))
     if workload == "one":
         await system.request(0, 2)  # this cell measures serving an adapter, not its first load
@@ -188,6 +193,7 @@ async def cell(system, workload: str, streams: int, args, seed: int) -> dict:
 async def activation(system, args, work: Path, paths: list[Path]) -> dict:
     """TTFT of adapter 0: hot, warm (off the device only), cold (out of host RAM too)."""
     out = {}
+    await settle()
     await system.request(0, 2)
     out["hot"] = (await system.request(0, 2)).ttft
     for other in range(1, args.max_loras + 1):
@@ -200,18 +206,26 @@ async def activation(system, args, work: Path, paths: list[Path]) -> dict:
     return {tier: _ms(value) for tier, value in out.items()}
 
 
+async def settle() -> None:
+    """Let the engine that ran last go quiet: OpenMP worker threads spin for up to ~200 ms
+    after their last parallel region, and every engine here is bound to the same core, so
+    the next system's first requests would pay for the previous one's spinning."""
+    await asyncio.sleep(SETTLE_S)
+
+
 async def interleaved_ttft(systems: list, args) -> dict:
-    """One stream, requests alternating between the systems one by one (so drift in this
+    """One stream, blocks of requests alternating between the systems (so drift in this
     noisy machine's speed hits all alike): TTFT p50 per system and workload."""
     out = {}
     for workload in ("base", "one"):
         adapter = 0 if workload == "one" else None
-        for system in systems:
-            await system.request(adapter, 2)
         samples: dict[str, list[float]] = {s.name: [] for s in systems}
-        for _ in range(args.interleaved):
+        for _ in range(max(1, args.interleaved // INTERLEAVE_BLOCK)):
             for system in systems:
-                samples[system.name].append((await system.request(adapter, 2)).ttft)
+                await settle()
+                await system.request(adapter, 2)
+                for _ in range(INTERLEAVE_BLOCK):
+                    samples[system.name].append((await system.request(adapter, 2)).ttft)
         out[workload] = {name: _ms(statistics.median(values)) for name, values in samples.items()}
     return out
 
