@@ -36,3 +36,24 @@ def test_cli_speed_smoke(daemon):
     report = json.loads(result.stdout)
     assert report["heavy_imports"] == {"--help": [], "ls": []}
     assert set(report["ratio_to_python"]) == {"python -c pass", "loractl --help", "loractl ls"}
+
+
+def test_serve_bench_smoke():
+    """The head-to-head harness runs all three systems (loractl, vLLM's OpenAI server,
+    in-process AsyncLLM) end to end and reports ratios for every cell."""
+    work = tempfile.mkdtemp(prefix="lct-sb-", dir="/tmp")
+    out = f"{work}/r.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "serve_bench.py"), "--kv-cache", "64MiB", "--rounds", "1",
+         "--streams", "2", "--workloads", "base,one", "--requests", "4", "--tokens", "4", "--interleaved", "20",
+         "--adapters", "4", "--workdir", work, "--out", out],
+        capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(open(out).read())
+    (only_round,) = report["rounds"]
+    for system in ("loractl", "server", "asyncllm"):
+        assert set(only_round[system]["cells"]) == {"base@2", "one@2"}
+        assert all(cell["requests"] == 4 and cell["tokens_per_s"] > 0 for cell in only_round[system]["cells"].values())
+        assert set(only_round[system]["activation"]) == {"hot", "warm", "cold"}
+    assert set(report["ratios"]["loractl_over_server"]["one@2"]) >= {"tokens_per_s", "ttft_p50_ms"}
+    assert "| one@2 |" in report["markdown"]

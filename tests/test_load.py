@@ -18,7 +18,7 @@ STREAMS, REQUESTS, TOKENS = 32, 64, 16
 PROMPT = "List every table"
 # Generous: an adapter step costs more than a base step, and two cores are noisy. What the
 # guard catches is a stall — a request held for a multiple of a whole wave's time.
-BOUND = 4.0
+BOUND = 5.0
 
 
 async def _wave(client, lora: str | None) -> list[tuple[float, list[int]]]:

@@ -280,3 +280,63 @@ def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference):
         assert json.loads(cli(tiered, "status", "--json").stdout)["ready"]
     finally:
         cli(tiered, "unpin", NAMES[0])
+
+
+def test_every_tier_change_under_thrash_is_reported_in_order(tiered):
+    """Concurrent requests over more adapters than slots, with explicit loads and evictions in
+    between: replaying the events stream from the state before must give every transition in
+    a valid order (nothing loaded twice, nothing evicted that was not there) and end in the
+    state ls reads from the engine after. The daemon reads the engine's state only now and
+    then (never per request), so this holds only because the worker journals every change."""
+
+    def residency() -> tuple[set[str], set[str]]:
+        listed = listing(tiered)
+        return ({n for n in NAMES if listed[n]["tier"] in ("host", "device")},
+                {n for n in NAMES if listed[n]["tier"] == "device"})
+
+    async def go():
+        async with tiered.client() as client:
+            received = []
+
+            async def follow():
+                async for event in client.events():
+                    received.append(event)
+
+            before = residency()  # the daemon is idle: nothing changes between this and the follow
+            task = asyncio.create_task(follow())
+            await asyncio.sleep(0.3)
+            rng = random.Random(11)
+
+            async def one(name):
+                await collect(client, messages=[{"role": "user", "content": "hi"}], lora=name, max_tokens=6,
+                              temperature=0.0)
+
+            for wave in range(4):
+                requests = [asyncio.create_task(one(rng.choice(NAMES))) for _ in range(10)]
+                await client.load(NAMES[wave], to="host")
+                await client.evict(NAMES[(wave + 1) % 4], source="host")
+                await asyncio.gather(*requests)
+            await asyncio.sleep(1.0)  # the follower reads within its interval after the last request
+            after = residency()
+            await asyncio.sleep(0.3)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return before, after, received
+
+    (host, device), after, events = asyncio.run(go())
+    tiers = {"HOST": host, "DEVICE": device}
+    reasons = set()
+    for e in (e for e in events if e["adapter"] in NAMES):
+        kind, name = e["kind"], e["adapter"]
+        reasons.add(e["reason"])
+        if kind.startswith("LOADED_TO_"):
+            tier = tiers[kind.removeprefix("LOADED_TO_")]
+            assert name not in tier, (e, events)
+            assert kind != "LOADED_TO_DEVICE" or name in host, (e, events)
+            tier.add(name)
+        elif kind in ("EVICTED_FROM_HOST", "UNLOADED_FROM_DEVICE"):
+            tier = host if kind == "EVICTED_FROM_HOST" else device
+            assert name in tier and (kind != "EVICTED_FROM_HOST" or name not in device), (e, events)
+            tier.remove(name)
+    assert (host, device) == after
+    assert {"lazy", "lru", "explicit"} <= reasons, reasons
