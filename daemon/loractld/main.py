@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=positive_int, default=4,
                    help="adapters cached in host RAM (default: 4; at least --max-loras)")
     p.add_argument("--max-lora-rank", type=positive_int, default=16, help="largest adapter rank (default: 16)")
-    p.add_argument("--max-model-len", type=positive_int, default=1024, help="context length (default: 1024)")
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length (default: the model's own, lowered only to fit the KV cache)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="sequences per engine step (default: vLLM's server default, 128 on CPU)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,

@@ -1,0 +1,70 @@
+"""Engine defaults come from the model, not from constants that only the tiny model satisfies.
+
+A variant of the demo model with a 160-token context (shorter than the old fixed 1,024
+default, which killed the engine at start) and a tokenizer that adds BOS, served with no
+context flag at all: the daemon starts, reports the model's own context, refuses a request
+past it in one line, and a raw prompt gets its BOS token and equals HF + PEFT's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from conftest import ENGINE_FLAGS, Reference, collect, run_cli, start_daemon
+from loractl.errors import InvalidRequest
+
+CONTEXT = 160
+
+
+@pytest.fixture(scope="module")
+def short_model(demo, tmp_path_factory):
+    model = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(demo / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = CONTEXT
+    (model / "config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    bos = tokenizer["added_tokens"][[t["content"] for t in tokenizer["added_tokens"]].index("<s>")]["id"]
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return model, bos
+
+
+def test_a_short_context_model_with_bos_starts_with_no_context_flag(short_model, home):
+    model, bos = short_model
+    sub = home / "short"
+    sub.mkdir(exist_ok=True)
+    flags = [f for i, f in enumerate(ENGINE_FLAGS)
+             if f != "--max-model-len" and (i == 0 or ENGINE_FLAGS[i - 1] != "--max-model-len")]
+    d = start_daemon(sub, name="s", model=str(model), engine_flags=flags)
+    try:
+        status = json.loads(run_cli("status", "--json", "--socket", str(d.socket)).stdout)
+        assert status["engine"]["max_model_len"] == CONTEXT
+        reference = Reference(model)
+        prompt = "SELECT name FROM"
+        expected_ids = reference.tokenizer.encode(prompt)
+        assert expected_ids[0] == bos
+
+        async def go():
+            async with d.client() as client:
+                answer = await collect(client, prompt=prompt, max_tokens=12, temperature=0.0)
+                with pytest.raises(InvalidRequest) as refused:
+                    await collect(client, prompt=prompt, max_tokens=CONTEXT, temperature=0.0)
+                return answer, refused.value
+
+        answer, refused = asyncio.run(go())
+        assert answer["prompt_ids"] == expected_ids
+        assert answer["ids"] == reference.greedy(expected_ids, None, 12)
+        assert f"the context of {CONTEXT} tokens" in refused.message
+    finally:
+        d.stop()
