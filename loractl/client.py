@@ -127,7 +127,9 @@ class Client:
 
     def _start_hint(self) -> str:
         if self.socket_path == paths.layout().default_socket:
-            return "Start it with: loractld --model demo"
+            # The daemon may well run, under another home: the commonest miss.
+            return ("Start it with: loractld --model demo; if one runs under another home, set LORACTL_HOME "
+                    "to that folder or pass --socket PATH.")
         return f"Start it with: loractld --model demo --socket {self.socket_path}"
 
     @asynccontextmanager

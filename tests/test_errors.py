@@ -51,7 +51,8 @@ def test_stale_socket_reads_as_daemon_down(short_dir):
 
 def test_daemon_not_running_via_home(tmp_path):
     result = run_cli("status", env={"LORACTL_HOME": str(tmp_path)})
-    assert_one_error(result, 3, str(tmp_path / "loractld.sock"))
+    # The hint names the commonest miss: a daemon running under another home.
+    assert_one_error(result, 3, str(tmp_path / "loractld.sock"), "LORACTL_HOME", "--socket")
 
 
 def test_missing_adapter_folder(daemon):

@@ -1,9 +1,10 @@
 """Engine defaults come from the model, not from constants that only the tiny model satisfies.
 
 A variant of the demo model with a 160-token context (shorter than the old fixed 1,024
-default, which killed the engine at start) and a tokenizer that adds BOS, served with no
-context flag at all: the daemon starts, reports the model's own context, refuses a request
-past it in one line, and a raw prompt gets its BOS token and equals HF + PEFT's answer.
+default, which killed the engine at start), a tokenizer that adds BOS and no chat template,
+served with no context flag at all: the daemon starts, reports the model's own context,
+refuses a request past it in one line, a raw prompt gets its BOS token and equals HF's
+answer, and a chat request says in one line that there is no template and what to do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import pytest
 
 from conftest import ENGINE_FLAGS, Reference, collect, run_cli, start_daemon
+from test_errors import assert_one_error
 from loractl.errors import InvalidRequest
 
 CONTEXT = 160
@@ -37,6 +39,7 @@ def short_model(demo, tmp_path_factory):
         "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
     }
     (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (model / "chat_template.jinja").unlink()  # a base model: no chat template
     return model, bos
 
 
@@ -66,5 +69,22 @@ def test_a_short_context_model_with_bos_starts_with_no_context_flag(short_model,
         assert answer["prompt_ids"] == expected_ids
         assert answer["ids"] == reference.greedy(expected_ids, None, 12)
         assert f"the context of {CONTEXT} tokens" in refused.message
+        assert_one_error(run_cli("run", "hi", "--socket", str(d.socket)), 2, "has no chat template", "--raw")
     finally:
         d.stop()
+
+
+def test_a_gguf_model_is_refused_in_one_line(tmp_path):
+    import subprocess
+
+    from conftest import BIN
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    home = tmp_path / "h"
+    result = subprocess.run([str(BIN / "loractld"), "--model", str(gguf), "--home", str(home), "--socket",
+                             f"/tmp/lct-gguf-{tmp_path.name[-8:]}.sock", *ENGINE_FLAGS],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "is a GGUF file, which loractld cannot serve yet" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -102,11 +102,16 @@ def test_invalid_adapters_are_refused_and_nothing_is_installed(daemon, demo, tmp
     assert not any((store_dir(daemon) / ".tmp").iterdir())
 
 
-def test_force_installs_an_adapter_for_another_base_name(daemon, demo, tmp_path):
+def test_force_installs_an_adapter_for_another_base_name_and_it_serves(daemon, demo, tmp_path, reference):
     folder = broken("other_base_model", demo, tmp_path / "other")
+    assert_one_error(cli(daemon, "pull", str(folder), "--name", "forced/v1"), 5, "trained for")
     result = cli(daemon, "pull", str(folder), "--name", "forced/v1", "--force")
     assert result.returncode == 0, result.stderr
     assert "forced/v1" in stored_names(daemon)
+    # The force is remembered: every later use of the name serves it (it used to be refused).
+    result = cli(daemon, "run", "--lora", "forced/v1", "-t", "0", "-n", "8", "hi")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == reference.text(reference.greedy(reference.chat_ids("hi"), folder, 8)) + "\n"
 
 
 @pytest.mark.parametrize("name", ["../evil", "/etc/passwd", "Upper/v1", "a/b/c", "x/..", ".hidden", "a//b", ""])

@@ -60,7 +60,7 @@ class AdapterResolver:
         self.store = store
         self.validate = validate
         self._folder_digests: dict[tuple, str] = {}
-        self._facts: dict[str, AdapterFacts | LoractlError] = {}
+        self._facts: dict[tuple[str, bool], AdapterFacts | LoractlError] = {}
         self._ids: dict[str, int] = {}
         self._taken: set[int] = set()
         self._labels: dict[int, str] = {}
@@ -95,12 +95,15 @@ class AdapterResolver:
                 raise AdapterNotFound(f"no adapter folder at {path}")
             digest = self._folder_digest(path)
             label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+            forced = False
         else:
             stored = self.store.get(lora)
             path = stored.path
             digest = files_digest(stored.manifest["files"])
             label = lora
-        facts = self._facts_for(digest, path)
+            # A pull --force accepted another base model's name once; every use honours it.
+            forced = bool(stored.manifest.get("forced"))
+        facts = self._facts_for(digest, path, forced)
         ref = AdapterRef(label=label, path=path, digest=digest, facts=facts, engine_id=self.id_for(digest))
         self._labels[ref.engine_id] = label
         return ref
@@ -109,13 +112,14 @@ class AdapterResolver:
         """The name an engine id was last resolved from (for events and listings)."""
         return self._labels.get(engine_id)
 
-    def _facts_for(self, digest: str, path: Path) -> AdapterFacts:
-        if digest not in self._facts:
+    def _facts_for(self, digest: str, path: Path, forced: bool = False) -> AdapterFacts:
+        key = (digest, forced)
+        if key not in self._facts:
             try:
-                self._facts[digest] = self.validate(path, False)
+                self._facts[key] = self.validate(path, forced)
             except LoractlError as e:
-                self._facts[digest] = e
-        result = self._facts[digest]
+                self._facts[key] = e
+        result = self._facts[key]
         if isinstance(result, LoractlError):
             raise result
         return result

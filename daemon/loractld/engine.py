@@ -200,11 +200,15 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, argument)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise InvalidRequest(f"the model {self.settings.model!r} has no chat template",
+                                 "Send the prompt as is: loractl run --raw PROMPT.")
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequest(
-                f"the model's chat template could not render these messages: {e}",
+                f"the model's chat template could not render these messages: {first_line}",
                 "Send a raw prompt instead (loractl run --raw).",
             ) from e
         return list(self._tokenizer.encode(text, add_special_tokens=False))

@@ -109,7 +109,7 @@ class Puller:
                 manifest = {
                     "name": name, "source": resolved.source, "ref": resolved.ref, "revision": resolved.revision,
                     "files": records, "pulled_at": time.time(), "base_model": facts.base_model, "rank": facts.rank,
-                    "alpha": facts.alpha, "target_modules": facts.target_modules,
+                    "alpha": facts.alpha, "target_modules": facts.target_modules, "forced": bool(force),
                 }
                 return self.store.install(name, staged, manifest)
 

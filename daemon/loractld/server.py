@@ -20,7 +20,7 @@ from pathlib import Path
 from grpclib.server import Server
 
 from loractl import paths
-from loractl.errors import LoractlError
+from loractl.errors import EngineUnavailable, LoractlError
 from loractld.adapters import AdapterResolver
 from loractld.basemodel import describe
 from loractld.engine import Engine, EngineSettings
@@ -75,6 +75,10 @@ def _claim_socket_path(path: Path) -> None:
 
 def resolve_model(model: str, home: str | None) -> str:
     """``demo`` is the embedded default (built on first use); anything else goes to vLLM as is."""
+    if model.lower().endswith(".gguf"):
+        # vLLM would read the file as a folder and fail on a missing config.json.
+        raise EngineUnavailable(f"{model} is a GGUF file, which loractld cannot serve yet",
+                                "Pass the model's Hugging Face folder (config.json + safetensors) or its Hub id.")
     if model != "demo":
         return model
     from loractld.demo import ensure_demo

@@ -50,12 +50,16 @@ def run(
         kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed)
         chunks = (client.generate(prompt, **kwargs) if raw
                   else client.generate(messages=[{"role": "user", "content": prompt}], **kwargs))
+        printed = False
         async for chunk in chunks:
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
+                printed = True
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if not printed:  # an empty line and exit 0 would read as a hang-up or a bug
+            print("loractl: the model answered with no text (it ended its answer at once)", file=sys.stderr)
 
     with_client(socket, home, stream)
 
