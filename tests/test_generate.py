@@ -94,3 +94,14 @@ def test_sampling_with_seed_is_repeatable(daemon):
 
     first, second = asyncio.run(go())
     assert first["ids"] == second["ids"] and len(first["ids"]) == 12
+
+
+def test_the_daemon_log_carries_no_vllm_warnings_by_default(daemon):
+    """vLLM's start-up warnings (Triton, tcmalloc, deprecated raw prompts) are noise to a
+    loractl user; at the default log level only loractld's own lines and vLLM's errors show."""
+    import re
+
+    log = daemon.log.read_text(errors="replace")
+    assert "loractld: ready: model" in log
+    vllm_warnings = [line for line in log.splitlines() if re.search(r"\) WARNING \d\d-\d\d ", line)]
+    assert not vllm_warnings, vllm_warnings[:5]

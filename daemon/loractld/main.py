@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # vLLM's own logging (read when vllm is imported, in this process and the engine's):
+    # at the default level its dozen start-up warnings (Triton, tcmalloc, deprecations) are
+    # nothing a loractl user can act on; its errors still show, and --log-level DEBUG
+    # brings everything back. An explicit VLLM_LOGGING_LEVEL wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if args.log_level == "DEBUG" else "ERROR")
     try:
         code = _run(serve(settings_from(args)))
     except LoractlError as e:
