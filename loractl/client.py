@@ -24,7 +24,8 @@ from grpclib.client import Channel
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from loractl import paths
-from loractl.errors import DaemonNotRunning, InvalidRequest, LoractlError, PermissionDenied, from_wire
+from loractl.errors import (DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied,
+                            from_wire)
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
 
@@ -159,6 +160,36 @@ class Client:
         async with self._errors():
             reply = await self.stub.Status(pb.StatusRequest(), timeout=self.timeout)
         return to_dict(reply)
+
+    async def wait_ready(self, timeout: float = 300.0, *, on_wait=None, missing_ok: bool = False,
+                         interval: float = 0.5) -> dict[str, Any]:
+        """Poll the daemon until its engine is ready; return its status.
+
+        ``on_wait(elapsed_seconds)`` is called on every poll that found it still starting.
+        ``missing_ok``: a daemon not listening yet (a service starting) counts as starting;
+        otherwise that is :class:`DaemonNotRunning` at once. Past ``timeout`` seconds:
+        :class:`EngineUnavailable`.
+        """
+        import asyncio
+        import time
+
+        began = time.monotonic()
+        while True:
+            try:
+                info = await self.status()
+                if info["ready"]:
+                    return info
+            except DaemonNotRunning:
+                if not missing_ok:
+                    raise
+                self.close()  # a fresh connection on the next poll
+            elapsed = time.monotonic() - began
+            if elapsed >= timeout:
+                raise EngineUnavailable(f"the daemon's engine was not ready after {timeout:.0f} s",
+                                        "Its log says why (journalctl --user -u loractld, or where it runs).")
+            if on_wait is not None:
+                on_wait(elapsed)
+            await asyncio.sleep(interval)
 
     async def generate(
         self,

@@ -66,6 +66,19 @@ def with_client(socket: str | None, home: str | None, body: Callable[[Client], A
         return asyncio.run(go())
 
 
+def waiting_notice(what: str = "the engine to start"):
+    """An ``on_wait`` for :meth:`Client.wait_ready`: a line on stderr at once, then every 5 s."""
+    shown = [-5.0]
+
+    def notice(elapsed: float) -> None:
+        if elapsed - shown[0] >= 5.0:
+            shown[0] = elapsed
+            sys.stderr.write(f"loractl: waiting for {what} ({elapsed:.0f} s)\n")
+            sys.stderr.flush()
+
+    return notice
+
+
 @contextlib.contextmanager
 def cli_errors():
     """Domain errors become one error line, one hint and their exit code; Ctrl-C exits 130."""

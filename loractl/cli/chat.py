@@ -11,7 +11,8 @@ import typer
 
 from loractl import paths
 from loractl.cli._common import HomeOpt, SocketOpt, stderr
-from loractl.cli._output import cli_errors
+from loractl.cli._output import cli_errors, waiting_notice
+from loractl.cli.run import ENGINE_START_TIMEOUT_S
 from loractl.cli._complete import adapter_names
 from loractl.errors import LoractlError
 
@@ -111,6 +112,8 @@ def chat(
     with asyncio.Runner() as runner, cli_errors():
         client = Client(socket, home=home, prefer_adapter=lora)
         try:
+            # Fails fast, with the usual hint, when no daemon is up; says so while an engine starts.
+            runner.run(client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice()))
             if not sys.stdin.isatty():
                 text = sys.stdin.read().strip()
                 if not text:
@@ -118,7 +121,6 @@ def chat(
                 runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
                 sys.stdout.write("\n")
                 return
-            runner.run(client.status())  # fail fast, with the usual hint, when no daemon is up
             _interactive(runner, client, convo, max_tokens, temperature, home)
         finally:
             client.close()

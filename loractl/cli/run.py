@@ -9,6 +9,11 @@ import typer
 
 from loractl.cli._common import HomeOpt, SocketOpt, with_client
 from loractl.cli._complete import adapter_names
+from loractl.cli._output import waiting_notice
+
+# How long run and chat wait for a daemon whose engine is still starting (a cold start of a
+# large model can take minutes); they say so on stderr while they wait.
+ENGINE_START_TIMEOUT_S = 600.0
 
 if TYPE_CHECKING:
     from loractl.client import Client
@@ -47,6 +52,8 @@ def run(
         prompt = sys.stdin.read()
 
     async def stream(client: Client) -> None:
+        # A daemon still starting its engine would hold the request silently for as long.
+        await client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice())
         kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed)
         chunks = (client.generate(prompt, **kwargs) if raw
                   else client.generate(messages=[{"role": "user", "content": prompt}], **kwargs))

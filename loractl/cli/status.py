@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
+from loractl.cli._output import waiting_notice
 
 
-def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+def status(
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+    json_output: JsonOpt = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the engine is ready (a daemon still starting "
+                                                      "or not listening yet counts as starting).")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds --wait waits at most.")] = 300.0,
+) -> None:
     """Show the daemon's state: model, device, LoRA capacity, uptime.
 
     Capacity is read from the engine: device slots and host entries used and free, pins, disk.
@@ -17,8 +27,14 @@ def status(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt 
         loractl status
 
         loractl status --json | jq .engine.max_loras
+
+        loractl status --wait --timeout 120      # in scripts, right after starting the service
     """
-    info = with_client(socket, home, lambda client: client.status())
+    if wait:
+        info = with_client(socket, home, lambda client: client.wait_ready(timeout, missing_ok=True,
+                                                                          on_wait=waiting_notice()))
+    else:
+        info = with_client(socket, home, lambda client: client.status())
     if json_output:
         print_json(info)
         return
