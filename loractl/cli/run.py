@@ -52,6 +52,8 @@ def run(
         prompt = sys.stdin.read()
 
     async def stream(client: Client) -> None:
+        # With several daemons, the one holding this adapter (chosen at the first call).
+        client.prefer_adapter = lora
         # A daemon still starting its engine would hold the request silently for as long.
         await client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice())
         kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed)
