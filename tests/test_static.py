@@ -76,6 +76,25 @@ def test_cpu_lora_ops_give_no_adapter_rows_no_delta_and_match_upstream_elsewhere
             upstream[name](delta, b, theirs, idx, *extra)
             assert torch.equal(ours[~with_lora], base[~with_lora]), name  # no delta without an adapter
             torch.testing.assert_close(ours[with_lora], theirs[with_lora])
+    # The prefill wrappers: segments of consecutive tokens, one index each, reused across calls
+    # (as every layer of a step does) and then changed (the next step): never a stale answer.
+    for lora_indices, lens in ((torch.tensor([2, 0]), torch.tensor([4, 2])), (torch.tensor([2, 0]), torch.tensor([4, 2])),
+                               (torch.tensor([1, -1, 0]), torch.tensor([1, 3, 2])), (torch.tensor([0]), torch.tensor([6]))):
+        meta = (torch.zeros_like(lens), lens, lora_indices, len(lens), int(lens.max()), tokens)
+        with_lora = torch.repeat_interleave(lora_indices, lens) >= 0
+        ours, theirs = torch.zeros(tokens, rank), torch.zeros(tokens, rank)
+        cpu_fixes.sgmv_shrink(x, a, ours, *meta, 0.5)
+        upstream["sgmv_shrink"](x, a, theirs, *meta, 0.5)
+        torch.testing.assert_close(ours[with_lora], theirs[with_lora])
+        assert not ours[~with_lora].any()
+        for name, extra in (("sgmv_expand", (True,)), ("sgmv_expand_slice", (2, hidden, True))):
+            base = torch.randn(tokens, hidden + 2)
+            mine, ref = base.clone(), base.clone()
+            getattr(cpu_fixes, name)(delta, b, mine, *meta, *extra)
+            upstream[name](delta, b, ref, *meta, *extra)
+            torch.testing.assert_close(mine[with_lora], ref[with_lora])
+            assert torch.equal(mine[~with_lora], base[~with_lora]), name
+
     wrong = torch.zeros(2, rank)
     upstream["bgmv_shrink"](x[:2], a, wrong, torch.tensor([0, -1]), 1.0)
     assert wrong[1].abs().sum() > 0  # the upstream bug this fixes: -1 picked up the last slot

@@ -4,9 +4,10 @@
    per-token slot index, and ``-1`` ("this token uses no adapter") wraps to the *last* slot,
    so a base-model request batched with LoRA requests is served with that slot's adapter
    (upstream vllm-project/vllm PRs #48421 and #49656). loractl's ops below replace the three
-   gathering ops: rows with index -1 get no LoRA delta, and every adapter's rows go through
-   one matrix product (``_per_slot``), which is also several times cheaper than the
-   per-token gather it replaces.
+   gathering ops (``bgmv_*``) and their prefill wrappers (``sgmv_*``): rows with index -1 get
+   no LoRA delta, and every adapter's rows go through one matrix product (``_per_slot``),
+   several times cheaper than the per-token gather it replaces; the index expansion and
+   grouping, the same for every layer of a step, are computed once per step (``_Memo``).
 2. bfloat16 dies with SIGILL in the AMX attention path because nothing asked the kernel for
    AMX tile permission; ``torch.cpu._init_amx()`` asks.
 
@@ -30,6 +31,52 @@ _PATCHED_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 _log = logging.getLogger("vllm.plugins.loractl_cpu_fixes")
 
 
+class _Memo:
+    """The last answer for the last small index tensors, reused while they are equal.
+
+    vLLM calls the LoRA ops for every layer and projection of a step with the same indices:
+    recomputing their expansion and grouping each time was ~15% of a loaded step. Reuse is
+    decided by content (``torch.equal`` on a copy), never by tensor identity, so a stale
+    answer cannot be returned; the engine core calls these ops from one thread.
+    """
+
+    def __init__(self, compute) -> None:
+        self.compute = compute
+        self.key: tuple = ()
+        self.value = None
+
+    def __call__(self, *tensors):
+        import torch
+
+        key = self.key
+        if len(key) == len(tensors) and all(k.shape == t.shape and torch.equal(k, t) for k, t in zip(key, tensors)):
+            return self.value
+        self.value = self.compute(*tensors)
+        self.key = tuple(t.clone() for t in tensors)
+        return self.value
+
+
+def _slot_rows(indices):
+    """(slot, row indices) for every adapter slot in ``indices``; one entry with ``None`` rows
+    when every row uses the same slot; rows with -1 (no adapter) in no entry."""
+    import torch
+
+    low, high = int(indices.min()), int(indices.max())
+    if low == high:
+        return [(low, None)] if low >= 0 else []
+    return [(slot, (indices == slot).nonzero(as_tuple=True)[0]) for slot in torch.unique(indices).tolist() if slot >= 0]
+
+
+def _expand_indices(lora_indices, seq_lens):
+    import torch
+
+    return torch.repeat_interleave(lora_indices, seq_lens)
+
+
+_groups = _Memo(_slot_rows)
+_exploded = _Memo(_expand_indices)
+
+
 def _per_slot(inputs, weights, indices, dtype):
     """``inputs[t] @ weights[indices[t]].T`` for every row ``t``; rows whose index is -1 (no
     adapter) get zeros.
@@ -39,19 +86,31 @@ def _per_slot(inputs, weights, indices, dtype):
     same sums with a fraction of the memory traffic. In the profile of a loaded daemon the
     gathered ops were about half of every engine step.
     """
-    import torch
-
     w = weights.squeeze(1) if weights.dim() == 4 else weights   # [slots, out, in]
     x = inputs.to(dtype)
-    low, high = int(indices.min()), int(indices.max())
-    if low == high and low >= 0:  # the common step: one adapter for every row
-        return x @ w[low].to(dtype).t()
+    groups = _groups(indices)
+    if len(groups) == 1 and groups[0][1] is None:  # the common step: one adapter for every row
+        return x @ w[groups[0][0]].to(dtype).t()
     out = x.new_zeros((x.shape[0], w.shape[1]))
-    for slot in torch.unique(indices).tolist():
-        if slot >= 0:
-            rows = (indices == slot).nonzero(as_tuple=True)[0]
-            out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).t())
+    for slot, rows in groups:
+        out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).t())
     return out
+
+
+def sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                batches, max_seq_length, token_nums, scaling):
+    bgmv_shrink(inputs, lora_a_weights, output_tensor, _exploded(lora_indices_tensor, seq_len_tensor), scaling)
+
+
+def sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                batches, max_seq_length, token_nums, add_inputs=False):
+    bgmv_expand(inputs, lora_b_weights, output_tensor, _exploded(lora_indices_tensor, seq_len_tensor), add_inputs)
+
+
+def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                      batches, max_seq_length, token_nums, slice_offset, slice_size, add_inputs=False):
+    bgmv_expand_slice(inputs, lora_b_weights, output_tensor, _exploded(lora_indices_tensor, seq_len_tensor),
+                      slice_offset, slice_size, add_inputs)
 
 
 def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
@@ -79,7 +138,8 @@ def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor
         output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
 
 
-REPLACEMENTS: dict[str, Callable] = {f.__name__: f for f in (bgmv_shrink, bgmv_expand, bgmv_expand_slice)}
+REPLACEMENTS: dict[str, Callable] = {f.__name__: f for f in (bgmv_shrink, bgmv_expand, bgmv_expand_slice, sgmv_shrink,
+                                                              sgmv_expand, sgmv_expand_slice)}
 
 
 def install_lora_ops() -> list[str]:
@@ -88,7 +148,7 @@ def install_lora_ops() -> list[str]:
 
     patched = []
     for module_name in (
-        "vllm.lora.ops.torch_ops.lora_ops",  # sgmv_* call these through the module globals
+        "vllm.lora.ops.torch_ops.lora_ops",
         "vllm.lora.ops.torch_ops",
         "vllm.lora.punica_wrapper.punica_cpu",  # bound them at import time
     ):

@@ -183,10 +183,13 @@ class LoractlService(LoractlBase):
     async def _wait_engine(self) -> Engine:
         await self._ready(self.engine_ready)
         assert self.engine is not None
-        if self.engine_died or self.engine.errored:
-            raise EngineUnavailable("the engine died; the daemon is restarting",
-                                    "Retry in a moment; if it persists, see the daemon's log.")
+        self._refuse_if_engine_dead(self.engine)
         return self.engine
+
+    def _refuse_if_engine_dead(self, engine: Engine) -> None:
+        """A dead engine is an answer of its own (clients stop waiting), not an internal error."""
+        if self.engine_died or engine.errored:
+            raise _engine_died()
 
     async def _wait_tiers(self) -> Tiers:
         await self._ready(self.engine_ready)
@@ -228,7 +231,15 @@ class LoractlService(LoractlBase):
             )
         capacity = pb.Capacity()
         if engine is not None and self.tiers is not None and self.catalog is not None:
-            state = await self.tiers.sync()
+            self._refuse_if_engine_dead(engine)
+            try:
+                state = await self.tiers.sync()
+            except Exception as e:
+                # vLLM's EngineDeadError (not imported here) can come before its monitor flags
+                # the engine as errored.
+                if type(e).__name__ == "EngineDeadError" or engine.errored:
+                    raise _engine_died() from e
+                raise
             stored = await asyncio.to_thread(self.catalog.store.list)
             capacity = pb.Capacity(
                 device_slots=state.device_capacity, device_used=len(state.device), host_slots=state.host_capacity,
@@ -470,6 +481,11 @@ class LoractlService(LoractlBase):
                 if usage.state != "ready":
                     message.state, message.error = usage.state, usage.error
         return message
+
+
+def _engine_died() -> EngineUnavailable:
+    return EngineUnavailable("the engine died; the daemon is restarting",
+                             "Retry in a moment; if it persists, see the daemon's log.")
 
 
 def adapter_message(adapter: StoredAdapter) -> pb.Adapter:
