@@ -37,8 +37,8 @@ def prepare(model: str, adapters: int, rank: int, workdir: Path) -> tuple[str, l
     """The model folder and ``adapters`` PEFT adapters of ``rank`` fitting it."""
     from loractld.demo import DemoAdapter, build_adapter, ensure_demo
 
-    if model == "demo":
-        model_dir = ensure_demo(workdir / "demo") / "model"
+    if model == "tiny":
+        model_dir = ensure_demo(workdir / "tiny") / "model"
     else:
         model_dir = Path(model)
     paths = []
@@ -46,7 +46,7 @@ def prepare(model: str, adapters: int, rank: int, workdir: Path) -> tuple[str, l
         dest = workdir / "adapters" / f"bench-{i}"
         if not (dest / "adapter_model.safetensors").exists():
             build_adapter(model_dir, DemoAdapter(f"bench/{i}", rank=rank, alpha=rank), dest,
-                          base_model="loractl/demo-tiny-llama" if model == "demo" else str(model_dir))
+                          base_model="loractl/demo-tiny-llama" if model == "tiny" else str(model_dir))
         paths.append(dest)
     return str(model_dir), paths
 
@@ -65,7 +65,7 @@ def drop_page_cache(folder: Path) -> None:
 
 def engine_arguments(p, *, adapters: int) -> None:
     """The model and engine options every benchmark shares (the same for every system)."""
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="tiny")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=adapters, help="adapters generated (and thrashed over)")

@@ -43,7 +43,7 @@ def imports_heavy(argv: list[str], env: dict) -> list[str]:
 
 def start_daemon(home: Path) -> subprocess.Popen:
     sock = home / "d.sock"
-    proc = subprocess.Popen([str(BIN / "loractld"), "--model", "demo", "--home", str(home), "--socket", str(sock),
+    proc = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(home), "--socket", str(sock),
                              "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     for _ in range(600):

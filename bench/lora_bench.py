@@ -1,6 +1,6 @@
 """Adapter activation latency, serving overhead and thrash: loractl vs plain vLLM, same run.
 
-    python bench/lora_bench.py --model demo --device cpu --out bench/results/cpu.json   # CPU smoke
+    python bench/lora_bench.py --model tiny --device cpu --out bench/results/cpu.json   # CPU smoke
     python bench/lora_bench.py --model /models/llama3-8b-random --device cuda --rank 16 \\
         --adapters 32 --max-loras 8 --max-cpu-loras 16 --out bench/results/h100.json     # GPU
 

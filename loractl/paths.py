@@ -33,7 +33,18 @@ class Layout:
 
     @property
     def demo_dir(self) -> Path:
+        """The embedded demo (``--model demo``): its GGUF source and trained adapters."""
         return self.data_dir / "demo"
+
+    @property
+    def tiny_dir(self) -> Path:
+        """The tiny random test model (``--model tiny``) and its adapters."""
+        return self.data_dir / "tiny"
+
+    @property
+    def models_dir(self) -> Path:
+        """Models loractl made itself: GGUF files converted to Hugging Face folders."""
+        return self.data_dir / "models"
 
     @property
     def default_socket(self) -> Path:

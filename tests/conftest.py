@@ -24,6 +24,9 @@ from loractl.errors import LoractlError
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# The real demo (SmolLM2 + trained adapters) is built once per checkout: a clean CI clone builds
+# it once per run, a developer's later runs reuse it.
+REAL_DEMO_CACHE = REPO / ".cache" / "real-demo"
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                 "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
 
@@ -36,14 +39,14 @@ def home() -> Path:
     from loractl import paths
 
     root = Path(tempfile.mkdtemp(prefix="lct-", dir="/tmp"))
-    ensure_demo(paths.layout(root).demo_dir)
+    ensure_demo(paths.layout(root).tiny_dir)
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def demo(home: Path) -> Path:
-    return home / "demo"
+    return home / "tiny"
 
 
 @dataclass
@@ -65,7 +68,7 @@ class Daemon:
         return self.proc.wait(timeout)
 
 
-def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "demo",
+def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "tiny",
                  engine_flags: list[str] = ENGINE_FLAGS) -> Daemon:
     """Start ``loractld --model MODEL`` under ``home`` and wait until Status says ready."""
     sock = home / f"{name}.sock"
@@ -150,6 +153,23 @@ class Reference:
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def real_demo() -> dict:
+    """Build (or find) the demo under the cache: {'model': folder, 'adapters': {name: folder}}."""
+    REAL_DEMO_CACHE.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "loractld.instruct_demo", "--data", str(REAL_DEMO_CACHE)],
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    model = Path(next(ln.split(": ", 1)[1] for ln in lines if ln.startswith("model: ")))
+    adapters = {}
+    for ln in lines:
+        if ln.startswith("adapter: "):
+            name, folder = ln.split(": ", 1)[1].split(" ", 1)
+            adapters[name] = Path(folder)
+    return {"model": model, "adapters": adapters}
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ def test_lora_bench_smoke():
     work = tempfile.mkdtemp(prefix="lct-bs-", dir="/tmp")
     out = f"{work}/r.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "lora_bench.py"), "--model", "demo", "--device", "cpu",
+        [sys.executable, str(REPO / "bench" / "lora_bench.py"), "--model", "tiny", "--device", "cpu",
          "--kv-cache", "64MiB", "--repeats", "1", "--streams", "3", "--tokens", "4", "--thrash-requests", "6",
          "--concurrency", "2", "--workdir", work, "--out", out],
         capture_output=True, text=True, timeout=600)

@@ -48,8 +48,8 @@ def test_sigkill_mid_generation_then_restart(home, demo, reference):
     are as before, the registry shows one live instance, and nothing half-written is visible."""
     sub = home / "faults"
     sub.mkdir(exist_ok=True)
-    if not (sub / "demo").exists():
-        (sub / "demo").symlink_to(home / "demo")
+    if not (sub / "tiny").exists():
+        (sub / "tiny").symlink_to(home / "tiny")
     d = start_daemon(sub, name="f")
     for name in ("sql-expert/v1", "poet/v1"):
         assert run_cli("pull", str(demo / "adapters" / name), "--name", name, "--socket", str(d.socket)).returncode == 0

@@ -87,7 +87,7 @@ def start_daemon_expect_exit(home: Path, *args: str) -> tuple[int, str]:
     import subprocess
     import sys
 
-    proc = subprocess.run([str(Path(sys.executable).parent / "loractld"), "--model", "demo", "--home", str(home),
+    proc = subprocess.run([str(Path(sys.executable).parent / "loractld"), "--model", "tiny", "--home", str(home),
                            *args], capture_output=True, text=True, timeout=60)
     return proc.returncode, proc.stderr
 

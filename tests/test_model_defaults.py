@@ -74,7 +74,7 @@ def test_a_short_context_model_with_bos_starts_with_no_context_flag(short_model,
         d.stop()
 
 
-def test_a_gguf_model_is_refused_in_one_line(tmp_path):
+def test_a_truncated_gguf_model_is_refused_in_one_line(tmp_path):
     import subprocess
 
     from conftest import BIN
@@ -86,5 +86,6 @@ def test_a_gguf_model_is_refused_in_one_line(tmp_path):
                              f"/tmp/lct-gguf-{tmp_path.name[-8:]}.sock", *ENGINE_FLAGS],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "is a GGUF file, which loractld cannot serve yet" in result.stderr
+    assert "model.gguf is not a readable GGUF file" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not list((home / "models").glob("*")), "nothing half-converted may be left"

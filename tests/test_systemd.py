@@ -56,7 +56,7 @@ def test_notify_and_socket_activation(home):
     env = {**os.environ, "WATCHDOG_USEC": "1000000"}
     proc = subprocess.Popen(
         ["systemd-socket-activate", "-l", str(sock), "-E", f"NOTIFY_SOCKET={notify_path}", "-E", "WATCHDOG_USEC=1000000",
-         str(BIN / "loractld"), "--model", "demo", "--home", str(home), *ENGINE_FLAGS],
+         str(BIN / "loractld"), "--model", "tiny", "--home", str(home), *ENGINE_FLAGS],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     messages: list[str] = []
     try:

@@ -22,10 +22,10 @@ def tiered(home):
     """A daemon of its own: pins persist, so this module must not share state with others."""
     sub = home / "tiers"
     sub.mkdir(exist_ok=True)
-    (sub / "demo").symlink_to(home / "demo")
+    (sub / "tiny").symlink_to(home / "tiny")
     d = start_daemon(sub, name="t")
     for name in NAMES:
-        result = run_cli("pull", str(home / "demo" / "adapters" / name), "--name", name, "--socket", str(d.socket))
+        result = run_cli("pull", str(home / "tiny" / "adapters" / name), "--name", name, "--socket", str(d.socket))
         assert result.returncode == 0, result.stderr
     yield d
     d.stop()
@@ -47,7 +47,7 @@ def test_random_sequences_keep_the_listing_true(tiered, home, reference):
     rng = random.Random(20261122)
     model = VllmTiers(device_slots=2, host_slots=3)
     pins: list[str] = []
-    demo = home / "demo" / "adapters"
+    demo = home / "tiny" / "adapters"
     log = []
     for step in range(40):
         op = rng.choice(["load", "load_host", "evict", "evict_host", "pin", "unpin", "request", "request", "rm"])
@@ -180,7 +180,7 @@ def test_tier_errors(tiered):
 def test_tier_changes_during_streams_never_change_outputs(tiered, home, reference):
     """Loads, evictions, pins and a refused rm while three generations stream: every output
     still equals its reference, and a request for a missing adapter fails alone."""
-    demo = home / "demo" / "adapters"
+    demo = home / "tiny" / "adapters"
     n = 48
     streams = [None, NAMES[0], NAMES[1]]
     prompt = "How do I reverse a list in Python?"
@@ -227,7 +227,7 @@ def test_a_new_revision_serves_new_requests_while_old_ones_finish(tiered, home, 
     requests with the new weights, while a request in flight finishes on the old ones."""
     from adapter_factory import good
 
-    old, new = good(home / "demo", tmp_path / "old", name="rev-old"), good(home / "demo", tmp_path / "new",
+    old, new = good(home / "tiny", tmp_path / "old", name="rev-old"), good(home / "tiny", tmp_path / "new",
                                                                            name="rev-new")
     cli(tiered, "pull", str(old), "--name", "moving/v1")
     prompt = "Write a query that lists every user"
@@ -259,7 +259,7 @@ def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference):
     """With one adapter pinned and max_loras=2, a step batching two *other* adapters must
     not kill the engine (it does with vLLM's own device pin_lora: KeyError in punica's
     convert_mapping), and every output still equals its reference."""
-    demo = home / "demo" / "adapters"
+    demo = home / "tiny" / "adapters"
     cli(tiered, "pin", NAMES[0])
     n = 24
     prompt = "Once upon a time"

@@ -22,14 +22,14 @@ def test_status_wait_times_out_in_one_line(tmp_path):
 def test_status_wait_and_run_wait_for_a_starting_engine(home, reference, tmp_path):
     sub = home / "wait"
     sub.mkdir(exist_ok=True)
-    (sub / "demo").exists() or (sub / "demo").symlink_to(home / "demo")
+    (sub / "tiny").exists() or (sub / "tiny").symlink_to(home / "tiny")
     sock = sub / "w.sock"
     env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100"}
     # Asked before the daemon even listens, as a script right after `systemctl start` would.
     waiter = subprocess.Popen([str(BIN / "loractl"), "status", "--wait", "--json", "--socket", str(sock)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     with open(sub / "w.log", "wb") as log:
-        daemon = subprocess.Popen([str(BIN / "loractld"), "--model", "demo", "--home", str(sub), "--socket", str(sock),
+        daemon = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(sub), "--socket", str(sock),
                                    *ENGINE_FLAGS], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -1,7 +1,8 @@
 """What the daemon knows of its base model, for adapter compatibility checks.
 
 Names: every way an adapter's ``base_model_name_or_path`` may legitimately refer to the
-model (the id given to ``--model``, the folder, the config's ``_name_or_path``, the demo id).
+model (the id given to ``--model``, the folder, the config's ``_name_or_path``, ``--served-model-name``,
+the tiny model's id). The demo's converted folder names its Hub id in ``_name_or_path``.
 Shapes: weight name -> shape, read from the model's safetensors headers when the files are on
 this machine (a local folder, or the Hugging Face cache after vLLM downloaded them).
 """
@@ -25,11 +26,11 @@ class BaseModel:
     shapes: dict[str, tuple[int, ...]] | None = None
 
 
-def describe(model_arg: str, resolved: str) -> BaseModel:
+def describe(model_arg: str, resolved: str, served_name: str | None = None) -> BaseModel:
     from loractld.demo import DEMO_MODEL_ID
 
-    info = BaseModel(model=resolved, names={model_arg, resolved})
-    if model_arg == "demo":
+    info = BaseModel(model=resolved, names={model_arg, resolved} | ({served_name} if served_name else set()))
+    if model_arg == "tiny":
         info.names.add(DEMO_MODEL_ID)
     folder = Path(resolved)
     if not folder.is_dir():
@@ -47,7 +48,7 @@ def describe(model_arg: str, resolved: str) -> BaseModel:
             info.shapes = base_model_shapes(folder) or None
         except Exception as e:  # an unreadable base model is vLLM's to report; checks just get weaker
             _log.warning("could not read the base model's weight shapes: %s", e)
-    info.names.discard("demo")
+    info.names -= {"demo", "tiny"}
     return info
 
 

@@ -60,9 +60,12 @@ class EngineSettings:
     cpu_fixes: bool = True
 
 
+DEFAULT_MAX_TOKENS = 512  # when a request sets none: this many, fewer where the context ends first
+
+
 @dataclass
 class Sampling:
-    max_tokens: int = 256
+    max_tokens: int | None = None   # None: DEFAULT_MAX_TOKENS, capped by what the context has left
     min_tokens: int = 0
     temperature: float = 0.8
     top_p: float = 1.0
@@ -235,14 +238,19 @@ class Engine:
 
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_model_len:
+        room = self.max_model_len - len(prompt_token_ids)
+        if sampling.max_tokens is None and room < 1:
+            raise InvalidRequest(f"the prompt ({len(prompt_token_ids)} tokens) fills the context of "
+                                 f"{self.max_model_len} tokens", "Shorten the prompt.")
+        if sampling.max_tokens is not None and sampling.max_tokens > room:
             raise InvalidRequest(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
                 f"the context of {self.max_model_len} tokens",
                 "Lower --max-tokens or shorten the prompt.",
             )
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
         params = SamplingParams(
-            max_tokens=sampling.max_tokens,
+            max_tokens=max_tokens,
             min_tokens=sampling.min_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,

@@ -17,9 +17,11 @@ from loractld.server import DaemonSettings, serve
 
 EPILOG = """\
 examples:
-  loractld --model demo                      the embedded tiny model (built on first start)
+  loractld --model demo                      SmolLM2-135M-Instruct + demo adapters (built on first start)
   loractld --model meta-llama/Llama-3.1-8B-Instruct --max-loras 8 --max-cpu-loras 32
-  LORACTL_HOME=/tmp/lc loractld --model demo --device cpu
+  loractld --model ~/models/llama-3.2-1b-instruct-q4_k_m.gguf   GGUF: converted once, then served
+  loractld --model /srv/smollm2 --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct
+  LORACTL_HOME=/tmp/lc loractld --model tiny --device cpu   the tiny random test model (offline, seconds)
   loractld --config /etc/loractl/loractld.toml
 
 settings come from flag > environment (LORACTLD_<FLAG>, e.g. LORACTLD_MAX_LORAS=8) > config
@@ -55,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE",
                    help="TOML file with any of these settings (default: loractld.toml in the user config dir)")
-    p.add_argument("--model", help="base model: a local folder, a Hub repo id, or 'demo' (required)")
+    p.add_argument("--model", help="base model: a local folder, a Hub repo id, a .gguf file, 'demo' or 'tiny' (required)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="what the model is (e.g. its Hub id), when --model is a folder named otherwise: "
+                        "adapters whose base_model_name_or_path says NAME are accepted")
     p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
     p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -105,7 +110,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
-                          socket_group=args.socket_group)
+                          socket_group=args.socket_group, served_model_name=args.served_model_name)
 
 
 def _run(coro):

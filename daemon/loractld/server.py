@@ -20,7 +20,7 @@ from pathlib import Path
 from grpclib.server import Server
 
 from loractl import paths
-from loractl.errors import EngineUnavailable, LoractlError
+from loractl.errors import LoractlError
 from loractld.adapters import AdapterResolver
 from loractld.basemodel import describe
 from loractld.engine import Engine, EngineSettings
@@ -45,6 +45,7 @@ class DaemonSettings:
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
     preload: tuple[str, ...] = ()
     socket_group: str | None = None
+    served_model_name: str | None = None
 
 
 class SocketInUse(LoractlError):
@@ -74,23 +75,35 @@ def _claim_socket_path(path: Path) -> None:
 
 
 def resolve_model(model: str, home: str | None) -> str:
-    """``demo`` is the embedded default (built on first use); anything else goes to vLLM as is."""
-    if model.lower().endswith(".gguf"):
-        # vLLM would read the file as a folder and fail on a missing config.json.
-        raise EngineUnavailable(f"{model} is a GGUF file, which loractld cannot serve yet",
-                                "Pass the model's Hugging Face folder (config.json + safetensors) or its Hub id.")
-    if model != "demo":
-        return model
-    from loractld.demo import ensure_demo
+    """The folder or Hub id to give vLLM for ``--model``.
 
-    root = paths.layout(home).demo_dir
-    _log.info("building the embedded demo model under %s (first start only)", root)
-    return str(ensure_demo(root) / "model")
+    ``demo`` is the embedded default (SmolLM2-135M-Instruct with trained adapters, built on
+    first use), ``tiny`` the random two-layer model the fast tests use (built offline in
+    seconds), a ``.gguf`` file is converted once into a Hugging Face folder; anything else goes
+    to vLLM as is.
+    """
+    layout = paths.layout(home)
+    if model == "demo":
+        from loractld.instruct_demo import build_in_child
+
+        _log.info("preparing the demo model under %s (the first start fetches, converts and trains: minutes)",
+                  layout.data_dir)
+        return str(build_in_child(layout.data_dir))
+    if model == "tiny":
+        from loractld.demo import ensure_demo
+
+        _log.info("building the tiny test model under %s (first start only)", layout.tiny_dir)
+        return str(ensure_demo(layout.tiny_dir) / "model")
+    if model.lower().endswith(".gguf"):
+        from loractld.gguf_import import ensure_converted
+
+        return str(ensure_converted(Path(model), layout.models_dir))
+    return model
 
 
 def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catalog:
     """The disk side: the store (recovered from any interrupted pull), validation, pulls."""
-    base = describe(settings.engine.model, model)
+    base = describe(settings.engine.model, model, served_name=settings.served_model_name)
     store = Store(store_dir)
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)

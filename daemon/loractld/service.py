@@ -507,9 +507,9 @@ def _sampling_from(params: pb.SamplingParams, defaults):
         if params.HasField(name):
             setattr(defaults, name, getattr(params, name))
     defaults.stop = list(params.stop)
-    if defaults.max_tokens < 1:
+    if defaults.max_tokens is not None and defaults.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1, got {defaults.max_tokens}")
-    if defaults.min_tokens < 0 or defaults.min_tokens > defaults.max_tokens:
+    if defaults.min_tokens < 0 or defaults.min_tokens > (defaults.max_tokens or defaults.min_tokens):
         raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {defaults.min_tokens}")
     if defaults.temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0, got {defaults.temperature}")

@@ -28,7 +28,9 @@ LoraOpt = Annotated[
 def run(
     prompt: Annotated[str, typer.Argument(help="The prompt; '-' reads it from stdin.")],
     lora: LoraOpt = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")] = 256,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", "-n", min=1, help="Most tokens to generate (default: 512, fewer where the context ends first).",
+    )] = None,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0,
                                                help="Sampling temperature; 0 is greedy.")] = 0.8,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed, for repeatable samples.")] = None,

@@ -1,0 +1,104 @@
+"""GGUF files as ``--model``: converted once (keyed by sha256), tokenizer settings carried over,
+refusals in one line. Uses the demo's real GGUF (SmolLM2-135M-Instruct, Q4_1) from the cache
+that conftest's ``real_demo`` builds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REAL_DEMO_CACHE, Reference, collect, start_daemon
+
+
+@pytest.fixture(scope="module")
+def demo_gguf(real_demo) -> Path:
+    return next((REAL_DEMO_CACHE / "demo").glob("*.gguf"))
+
+
+def _copy_with(src: Path, dst: Path, key: str, value: str) -> Path:
+    shutil.copyfile(src, dst)
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_set_metadata", str(dst), key, value, "--force"],
+                   check=True, capture_output=True)
+    return dst
+
+
+def test_a_gguf_that_asks_for_bos_is_served_with_bos(tmp_path, demo_gguf):
+    """transformers' GGUF tokenizer drops add_bos_token; the converted folder must not."""
+    from loractld.gguf_import import inspect
+
+    gguf = _copy_with(demo_gguf, tmp_path / "bos.gguf", "tokenizer.ggml.add_bos_token", "1")
+    assert inspect(gguf).add_bos is True
+    home = Path(tempfile.mkdtemp(prefix="lct-g-", dir="/tmp"))  # short: socket paths have a limit
+    d = start_daemon(home, name="g", model=str(gguf), engine_flags=["--kv-cache-memory", "64MiB"])
+    try:
+        folder = next((home / "models").glob("gguf-*"))
+        marker = json.loads((folder / "loractl-gguf.json").read_text())
+        assert marker["sha256"] == __import__("hashlib").sha256(gguf.read_bytes()).hexdigest()
+        ref = Reference(folder)
+        ids = ref.tokenizer("The three primary colors are")["input_ids"]
+        assert ids[0] == ref.tokenizer.bos_token_id == 1  # the converted tokenizer adds BOS as the GGUF says
+
+        async def go():
+            async with d.client() as client:
+                return await collect(client, prompt="The three primary colors are", max_tokens=16, temperature=0)
+        got = asyncio.run(go())
+        assert got["prompt_ids"] == ids and got["ids"] == ref.greedy(ids, None, 16)
+        log = d.log.read_text()
+        assert "converting bos.gguf" in log and "converted bos.gguf" in log
+    finally:
+        assert d.stop() == 0
+    # A second start finds the converted copy by the file's hash and does not convert again.
+    d = start_daemon(home, name="g2", model=str(gguf), engine_flags=["--kv-cache-memory", "64MiB"])
+    try:
+        assert "converted from bos.gguf earlier" in d.log.read_text()
+        assert len(list((home / "models").glob("gguf-*"))) == 1
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _refusal(gguf: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "loractld"), "--model", str(gguf), "--home", str(tmp_path / "h"),
+                           "--socket", f"/tmp/lct-gr-{tmp_path.name[-8:]}.sock"],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_an_architecture_that_cannot_be_converted_is_refused_in_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "rwkv7")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = _refusal(path, tmp_path)
+    assert result.returncode == 1
+    assert "odd.gguf: GGUF architecture 'rwkv7' cannot be converted" in result.stderr
+    assert "Traceback" not in result.stderr and not list((tmp_path / "h" / "models").glob("*"))
+
+
+def test_a_disk_too_small_is_refused_before_writing(tmp_path, demo_gguf, monkeypatch):
+    import shutil as sh
+
+    from loractl.errors import DiskFull
+    from loractld import gguf_import
+
+    real = sh.disk_usage
+    monkeypatch.setattr(gguf_import.shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=100 << 20))  # 100 MB free; 540 MB needed
+    with pytest.raises(DiskFull) as e:
+        gguf_import.ensure_converted(demo_gguf, tmp_path / "models")
+    assert "needs 0.6 GB" in e.value.message and "0.1 GB are free" in e.value.message
+    assert "LORACTL_HOME" in e.value.hint
+    assert not [p for p in (tmp_path / "models").iterdir()], "nothing may be written"
