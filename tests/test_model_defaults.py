@@ -89,3 +89,45 @@ def test_a_truncated_gguf_model_is_refused_in_one_line(tmp_path):
     assert "model.gguf is not a readable GGUF file" in result.stderr
     assert "Traceback" not in result.stderr
     assert not list((home / "models").glob("*")), "nothing half-converted may be left"
+
+
+# ---- CPU defaults derived from the model and the machine (no engine) ----------------------
+
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "head_dim": 64, "max_position_embeddings": 8192}
+LLAMA_8B_128K = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096,
+                 "max_position_embeddings": 131072}
+GiB = 1 << 30
+
+
+def test_cpu_kv_cache_holds_a_small_models_whole_context():
+    from loractld.cpu_defaults import choose
+
+    chosen = choose(SMOLLM2, 135_000_000, available=20 * GiB)
+    assert chosen.dtype == "float32"
+    assert chosen.kv_cache_bytes == 2 * 30 * 3 * 64 * 4 * 8192  # 8192 tokens, float32: 360 MiB
+    assert "8192 tokens of context" in chosen.reason
+
+
+def test_cpu_defaults_for_a_long_context_model_are_capped_and_big_weights_go_bfloat16():
+    from loractld.cpu_defaults import MAX_KV_BYTES, MIN_KV_BYTES, choose
+
+    roomy = choose(LLAMA_8B_128K, 8_000_000_000, available=128 * GiB)
+    assert roomy.dtype == "float32" and roomy.kv_cache_bytes == MAX_KV_BYTES  # 128k tokens would need 16 GiB
+    tight = choose(LLAMA_8B_128K, 8_000_000_000, available=24 * GiB)
+    assert tight.dtype == "bfloat16" and "half of the 24.0 GiB" in tight.reason
+    assert tight.kv_cache_bytes == 3 * GiB  # an eighth of what is available
+    assert choose(LLAMA_8B_128K, 8_000_000_000, available=1 * GiB).kv_cache_bytes == MIN_KV_BYTES
+    # Explicit flags are kept; an unreadable config falls back to the old fixed defaults.
+    kept = choose(LLAMA_8B_128K, 8_000_000_000, 24 * GiB, dtype="float16", kv_cache_bytes=GiB)
+    assert (kept.dtype, kept.kv_cache_bytes) == ("float16", GiB)
+    fallback = choose({}, None, 24 * GiB)
+    assert (fallback.dtype, fallback.kv_cache_bytes) == ("float32", MIN_KV_BYTES)
+
+
+def test_cpu_defaults_read_a_model_folder(demo):
+    from loractld.cpu_defaults import for_model
+
+    chosen = for_model(str(demo / "model"), "auto", None)  # the tiny model: 256 context, 2 layers
+    assert chosen.dtype == "float32" and chosen.kv_cache_bytes == 256 << 20
+    assert for_model("org/not-downloaded", "auto", None).kv_cache_bytes == 256 << 20

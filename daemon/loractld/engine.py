@@ -53,7 +53,7 @@ class EngineSettings:
     # GPUs), the same as `vllm serve`. A smaller fixed cap queued requests in loractl that
     # vLLM's server would have batched: TTFT grew with every stream past it.
     max_num_seqs: int | None = None
-    kv_cache_bytes: int | None = None   # required on CPU; None -> 256 MiB there
+    kv_cache_bytes: int | None = None   # required on CPU; None -> derived there (cpu_defaults)
     enable_prefix_caching: bool = True
     seed: int = 0
     # Off only to reproduce the upstream CPU bugs (tests, benchmarks); see cpu_fixes.
@@ -153,9 +153,11 @@ class Engine:
         dtype = settings.dtype
         kv_bytes = settings.kv_cache_bytes
         if device == "cpu":
-            # float32 on CPU: exact against references, and no AMX-bf16 path to trip over.
-            dtype = "float32" if dtype == "auto" else dtype
-            kv_bytes = kv_bytes or 256 << 20
+            # vLLM needs both on the CPU; derived from the model and the machine (cpu_defaults).
+            from loractld import cpu_defaults
+
+            chosen = cpu_defaults.for_model(settings.model, dtype, kv_bytes)
+            dtype, kv_bytes = chosen.dtype, chosen.kv_cache_bytes
         args = AsyncEngineArgs(
             model=settings.model,
             dtype=dtype,

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the engine runs: cuda when a GPU is present under auto (default: auto)")
-    p.add_argument("--dtype", default="auto", help="model dtype (default: float32 on CPU, vLLM's choice on CUDA)")
+    p.add_argument("--dtype", default="auto", help="model dtype (default on CPU: float32, bfloat16 if float32 weights would take over half the "
+                        "free RAM; on CUDA vLLM's choice)")
     p.add_argument("--max-loras", type=positive_int, default=2, help="adapter slots on the device (default: 2)")
     p.add_argument("--max-cpu-loras", type=positive_int, default=4,
                    help="adapters cached in host RAM (default: 4; at least --max-loras)")
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="sequences per engine step (default: vLLM's server default, 128 on CPU)")
     p.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="KV cache size, e.g. 256MiB (default on CPU: 256MiB; on CUDA vLLM sizes it)")
+                   help="KV cache size, e.g. 256MiB (default on CPU: the model's full context, within 256MiB-4GiB "
+                        "and 1/8 of free RAM; on CUDA vLLM sizes it)")
     p.add_argument("--preload", action="append", default=[], metavar="NAME",
                    help="load this stored adapter onto the device before reporting ready (repeatable)")
     p.add_argument("--max-adapter-size", type=parse_size, default=4 << 30,
