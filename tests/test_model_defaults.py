@@ -105,7 +105,7 @@ def test_cpu_kv_cache_holds_a_small_models_whole_context():
 
     chosen = choose(SMOLLM2, 135_000_000, available=20 * GiB)
     assert chosen.dtype == "float32"
-    assert chosen.kv_cache_bytes == 2 * 30 * 3 * 64 * 4 * 8192  # 8192 tokens, float32: 360 MiB
+    assert chosen.kv_cache_bytes == 2 * 30 * 3 * 64 * 4 * (8192 + 256)  # 8192 tokens + a margin, float32
     assert "8192 tokens of context" in chosen.reason
 
 

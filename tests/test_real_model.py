@@ -50,8 +50,9 @@ def _generate(daemon, **kwargs) -> dict:
 def test_demo_starts_with_only_model_and_status_shows_the_values_in_force(real_daemon):
     status = json.loads(run_cli("status", "--json", "--socket", str(real_daemon.socket)).stdout)
     assert status["ready"]
-    # SmolLM2's own context is 8192; the default KV cache holds it or vLLM fits it down.
-    assert 512 <= status["engine"]["max_model_len"] <= 8192, status
+    # SmolLM2's own context is 8192, and the CPU's default KV cache is sized to hold it.
+    assert status["engine"]["max_model_len"] == 8192, status
+    assert "CPU defaults: KV cache 371 MiB: 8192 tokens of context" in real_daemon.log.read_text()
     converted = json.loads((Path(status["engine"]["model"]) / "loractl-gguf.json").read_text())
     assert converted["tensor_types"] == ["F32", "Q4_1", "Q8_0"]
 

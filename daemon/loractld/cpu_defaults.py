@@ -26,6 +26,9 @@ _log = logging.getLogger("loractld.defaults")
 
 MIN_KV_BYTES = 256 << 20
 MAX_KV_BYTES = 4 << 30
+# vLLM keeps part of the cache out of the context it fits (a block, of up to 128 tokens on the
+# CPU); without this margin an 8192-token model got 8064.
+KV_MARGIN_TOKENS = 256
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -84,9 +87,10 @@ def choose(config: dict | None, parameters: int | None, available: int, dtype: s
         ctx = context_length(config or {})
         if per_token and ctx:
             cap = min(MAX_KV_BYTES, available // 8) if available else MAX_KV_BYTES
-            kv_cache_bytes = max(MIN_KV_BYTES, min(per_token * ctx, cap))
+            need = per_token * (ctx + KV_MARGIN_TOKENS)
+            kv_cache_bytes = max(MIN_KV_BYTES, min(need, cap))
             reasons.append(f"KV cache {kv_cache_bytes / 2**20:.0f} MiB: {ctx} tokens of context need "
-                           f"{per_token * ctx / 2**20:.0f} MiB, capped at {cap / 2**20:.0f} MiB")
+                           f"{need / 2**20:.0f} MiB, capped at {cap / 2**20:.0f} MiB")
         else:
             kv_cache_bytes = MIN_KV_BYTES
             reasons.append("KV cache 256 MiB: the model's config does not say its context or attention shape")
