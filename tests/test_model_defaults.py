@@ -20,6 +20,8 @@ from test_errors import assert_one_error
 from loractl.errors import InvalidRequest
 
 CONTEXT = 160
+NO_CONTEXT_FLAGS = [f for i, f in enumerate(ENGINE_FLAGS)
+                    if f != "--max-model-len" and (i == 0 or ENGINE_FLAGS[i - 1] != "--max-model-len")]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,7 @@ def test_a_short_context_model_with_bos_starts_with_no_context_flag(short_model,
     model, bos = short_model
     sub = home / "short"
     sub.mkdir(exist_ok=True)
-    flags = [f for i, f in enumerate(ENGINE_FLAGS)
-             if f != "--max-model-len" and (i == 0 or ENGINE_FLAGS[i - 1] != "--max-model-len")]
-    d = start_daemon(sub, name="s", model=str(model), engine_flags=flags)
+    d = start_daemon(sub, name="s", model=str(model), engine_flags=NO_CONTEXT_FLAGS)
     try:
         status = json.loads(run_cli("status", "--json", "--socket", str(d.socket)).stdout)
         assert status["engine"]["max_model_len"] == CONTEXT
@@ -69,9 +69,49 @@ def test_a_short_context_model_with_bos_starts_with_no_context_flag(short_model,
         assert answer["prompt_ids"] == expected_ids
         assert answer["ids"] == reference.greedy(expected_ids, None, 12)
         assert f"the context of {CONTEXT} tokens" in refused.message
-        assert_one_error(run_cli("run", "hi", "--socket", str(d.socket)), 2, "has no chat template", "--raw")
+        assert_one_error(run_cli("run", "hi", "--socket", str(d.socket)), 2, "has no chat template",
+                         "--chat-template FILE")
+        # run's default --max-tokens fits what the context has left (a fixed 256 was refused here).
+        whole = run_cli("run", "--raw", "-t", "0", prompt, "--socket", str(d.socket))
+        assert whole.returncode == 0, whole.stderr
+        assert whole.stdout.rstrip("\n") == reference.text(reference.greedy(expected_ids, None, CONTEXT - len(expected_ids)))
     finally:
         d.stop()
+
+
+def test_chat_template_flag_serves_chat_on_a_model_without_one(short_model, home, tmp_path):
+    model, _ = short_model
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant] {% endif %}")
+    sub = home / "short-t"
+    sub.mkdir(exist_ok=True)
+    d = start_daemon(sub, "--chat-template", str(template), name="t", model=str(model),
+                     engine_flags=NO_CONTEXT_FLAGS)
+    try:
+        reference = Reference(model)
+        text = "[user] hello\n[assistant] "
+        ids = reference.tokenizer.encode(text, add_special_tokens=False)
+
+        async def go():
+            async with d.client() as client:
+                return await collect(client, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                     temperature=0.0)
+        answer = asyncio.run(go())
+        assert answer["prompt_ids"] == ids and answer["ids"] == reference.greedy(ids, None, 8)
+    finally:
+        d.stop()
+    missing = run_cli_daemon_refusal(model, sub, "--chat-template", str(tmp_path / "nope.jinja"))
+    assert missing.returncode == 2 and "cannot read the chat template" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def run_cli_daemon_refusal(model, home, *flags):
+    import subprocess
+
+    from conftest import BIN
+
+    return subprocess.run([str(BIN / "loractld"), "--model", str(model), "--home", str(home), *flags],
+                          capture_output=True, text=True, timeout=60)
 
 
 def test_a_truncated_gguf_model_is_refused_in_one_line(tmp_path):

@@ -54,6 +54,7 @@ class EngineSettings:
     # vLLM's server would have batched: TTFT grew with every stream past it.
     max_num_seqs: int | None = None
     kv_cache_bytes: int | None = None   # required on CPU; None -> derived there (cpu_defaults)
+    chat_template: str | None = None    # a Jinja template (the text) that replaces the model's own
     enable_prefix_caching: bool = True
     seed: int = 0
     # Off only to reproduce the upstream CPU bugs (tests, benchmarks); see cpu_fixes.
@@ -205,11 +206,14 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, argument)
 
     def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self._tokenizer, "chat_template", None):
+        template = self.settings.chat_template or getattr(self._tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequest(f"the model {self.settings.model!r} has no chat template",
-                                 "Send the prompt as is: loractl run --raw PROMPT.")
+                                 "Send the prompt as is (loractl run --raw PROMPT), or restart the daemon "
+                                 "with --chat-template FILE.")
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                       tokenize=False)
         except Exception as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise InvalidRequest(

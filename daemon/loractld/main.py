@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="what the model is (e.g. its Hub id), when --model is a folder named otherwise: "
                         "adapters whose base_model_name_or_path says NAME are accepted")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template file to use instead of the model's own (for models without one)")
     p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
     p.add_argument("--socket", help="Unix socket to listen on (default: $LORACTL_SOCKET, else under home)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -109,10 +112,22 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
+        chat_template=_read_template(args.chat_template) if args.chat_template else None,
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name)
+
+
+def _read_template(path: str) -> str:
+    try:
+        text = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"cannot read the chat template {path}: {e.strerror if isinstance(e, OSError) else e}",
+                             "Give --chat-template the path of a Jinja template file.") from e
+    if not text.strip():
+        raise InvalidRequest(f"the chat template {path} is empty", "Give --chat-template a Jinja template file.")
+    return text
 
 
 def _run(coro):
