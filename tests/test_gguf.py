@@ -102,3 +102,36 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path, demo_gguf, monkeyp
     assert "needs 0.6 GB" in e.value.message and "0.1 GB are free" in e.value.message
     assert "LORACTL_HOME" in e.value.hint
     assert not [p for p in (tmp_path / "models").iterdir()], "nothing may be written"
+
+
+def test_a_gguf_file_in_a_hub_repo_is_downloaded_converted_and_served(tmp_path, demo_gguf, real_demo, monkeypatch):
+    from hub_stub import HubStub
+
+    from loractld.gguf_import import hub_gguf
+
+    assert hub_gguf("hf://acme/smol-gguf/q4/model.gguf") == ("acme/smol-gguf", "q4/model.gguf")
+    assert hub_gguf("acme/smol-gguf/model.gguf") == ("acme/smol-gguf", "model.gguf")
+    assert hub_gguf("./acme/x/model.gguf") is None and hub_gguf(str(demo_gguf)) is None
+    home = Path(tempfile.mkdtemp(prefix="lct-gh-", dir="/tmp"))
+    (home / "models").symlink_to(REAL_DEMO_CACHE / "models")  # the same bytes: found by hash, not converted again
+    with HubStub() as stub:
+        stub.add_commit("acme/smol-gguf", {"q4/smollm2.gguf": demo_gguf.read_bytes()})
+        monkeypatch.setenv("HF_ENDPOINT", stub.endpoint)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        missing = _refusal(Path("acme/smol-gguf/nope.gguf"), tmp_path)
+        assert missing.returncode == 1 and "the Hub repo acme/smol-gguf has no file 'nope.gguf'" in missing.stderr
+        d = start_daemon(home, name="h", model="hf://acme/smol-gguf/q4/smollm2.gguf", engine_flags=[])
+    try:
+        log = d.log.read_text()
+        assert "downloading q4/smollm2.gguf from the Hub repo acme/smol-gguf" in log
+        assert "converted from smollm2.gguf earlier" in log
+        ref = Reference(real_demo["model"])
+
+        async def go():
+            async with d.client() as client:
+                return await collect(client, prompt="The three primary colors are", max_tokens=12, temperature=0)
+        got = asyncio.run(go())
+        assert got["ids"] == ref.greedy(ref.tokenizer("The three primary colors are")["input_ids"], None, 12)
+    finally:
+        d.stop()
+        shutil.rmtree(home, ignore_errors=True)

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,37 @@ def sha256_of(path: Path, chunk: int = 8 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+_HUB_GGUF = re.compile(r"^(?:hf://)?(?P<repo>[\w.-]+/[\w.-]+)/(?P<file>[^\s]+\.gguf)$", re.IGNORECASE)
+
+
+def hub_gguf(model: str) -> tuple[str, str] | None:
+    """``(repo, file)`` when ``model`` names a GGUF file in a Hub repo (``[hf://]org/repo/file.gguf``)
+    rather than a local file; a path that exists, or starts with / . or ~, is local."""
+    if model.startswith(("/", ".", "~")) or Path(model).exists():
+        return None
+    match = _HUB_GGUF.match(model)
+    return (match["repo"], match["file"]) if match else None
+
+
+def download_hub_gguf(repo: str, filename: str) -> Path:
+    """The GGUF file from the Hub (huggingface_hub's cache; HF_ENDPOINT and HF_TOKEN honoured)."""
+    from huggingface_hub import errors as hf
+    from huggingface_hub import hf_hub_download
+
+    _log.info("downloading %s from the Hub repo %s (once; huggingface_hub's cache keeps it)", filename, repo)
+    try:
+        return Path(hf_hub_download(repo_id=repo, filename=filename))
+    except hf.RepositoryNotFoundError as e:
+        raise ModelRefused(f"no repo {repo!r} on the Hub, or it is private",
+                           "Check the id; for a private repo set HF_TOKEN.") from e
+    except hf.EntryNotFoundError as e:
+        raise ModelRefused(f"the Hub repo {repo} has no file {filename!r}",
+                           "Give the file's path in the repo: --model org/repo/file.gguf.") from e
+    except (hf.HfHubHTTPError, OSError) as e:
+        raise ModelRefused(f"cannot download {filename} from the Hub repo {repo}: {str(e).splitlines()[0]}",
+                           "Check the network, HF_ENDPOINT and HF_TOKEN.") from e
 
 
 def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None = None) -> Path:

@@ -21,6 +21,7 @@ examples:
   loractld --model demo                      SmolLM2-135M-Instruct + demo adapters (built on first start)
   loractld --model meta-llama/Llama-3.1-8B-Instruct --max-loras 8 --max-cpu-loras 32
   loractld --model ~/models/llama-3.2-1b-instruct-q4_k_m.gguf   GGUF: converted once, then served
+  loractld --model hf://org/repo/model-q4_k_m.gguf              a GGUF file in a Hub repo
   loractld --model /srv/smollm2 --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct
   LORACTL_HOME=/tmp/lc loractld --model tiny --device cpu   the tiny random test model (offline, seconds)
   loractld --config /etc/loractl/loractld.toml

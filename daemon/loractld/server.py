@@ -95,8 +95,12 @@ def resolve_model(model: str, home: str | None) -> str:
         _log.info("building the tiny test model under %s (first start only)", layout.tiny_dir)
         return str(ensure_demo(layout.tiny_dir) / "model")
     if model.lower().endswith(".gguf"):
-        from loractld.gguf_import import ensure_converted
+        from loractld.gguf_import import download_hub_gguf, ensure_converted, hub_gguf
 
+        on_hub = hub_gguf(model)
+        if on_hub:
+            repo, filename = on_hub
+            return str(ensure_converted(download_hub_gguf(repo, filename), layout.models_dir, name_or_path=repo))
         return str(ensure_converted(Path(model), layout.models_dir))
     return model
 
