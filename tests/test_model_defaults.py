@@ -171,3 +171,24 @@ def test_cpu_defaults_read_a_model_folder(demo):
     chosen = for_model(str(demo / "model"), "auto", None)  # the tiny model: 256 context, 2 layers
     assert chosen.dtype == "float32" and chosen.kv_cache_bytes == 256 << 20
     assert for_model("org/not-downloaded", "auto", None).kv_cache_bytes == 256 << 20
+
+
+def test_served_model_name_lets_a_folder_named_otherwise_take_its_adapters(demo, tmp_path):
+    """The offline case: an adapter names the Hub id, the model is a local folder without it."""
+    from loractl.errors import InvalidAdapter
+    from loractld.basemodel import describe
+    from loractld.validate import validate_adapter
+
+    model = tmp_path / "some-folder"
+    shutil.copytree(demo / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    del config["_name_or_path"]
+    (model / "config.json").write_text(json.dumps(config))
+    adapter = demo / "adapters" / "sql-expert" / "v1"  # base_model_name_or_path: loractl/demo-tiny-llama
+
+    def check(base):
+        return validate_adapter(adapter, max_lora_rank=16, base_shapes=base.shapes, model_names=base.names, force=False)
+
+    with pytest.raises(InvalidAdapter, match="trained for 'loractl/demo-tiny-llama'"):
+        check(describe(str(model), str(model)))
+    assert check(describe(str(model), str(model), served_name="loractl/demo-tiny-llama")).rank == 16
