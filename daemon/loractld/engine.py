@@ -102,6 +102,7 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     # faster start (7 s instead of 12-16 s on CPU), and one child to reap.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ[vllm_plugin.ENGINE_FLAG] = "1"  # our worker methods (worker_ext)
+    os.environ[vllm_plugin.DAEMON_PID] = str(os.getpid())  # the engine dies with us (vllm_plugin)
     if device == "cpu" and apply_cpu_fixes:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
     else:

@@ -21,6 +21,7 @@ from grpclib.server import Server
 
 from loractl import paths
 from loractl.errors import LoractlError
+from loractld import enginepid
 from loractld.adapters import AdapterResolver
 from loractld.basemodel import describe
 from loractld.engine import Engine, EngineSettings
@@ -171,7 +172,10 @@ async def serve(settings: DaemonSettings) -> int:
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
         service.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
-        return await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
+        await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
+        started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
+        await asyncio.to_thread(enginepid.record, layout.state_dir)
+        return started
 
     engine: Engine | None = None
     watchdog: asyncio.Task | None = None
@@ -227,6 +231,7 @@ async def serve(settings: DaemonSettings) -> int:
             await asyncio.wait_for(server.wait_closed(), timeout=5)
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
+            enginepid.forget(layout.state_dir)
         if activated is None:
             sock_path.unlink(missing_ok=True)  # an activated socket belongs to systemd
         _log.info("stopped")
