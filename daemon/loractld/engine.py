@@ -298,6 +298,10 @@ class Engine:
         """Drop an adapter from host and device; False if the engine did not hold it."""
         return bool(await self._llm.remove_lora(engine_id))
 
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds (waiting or running); an aborted one leaves at once."""
+        return int(self._llm.get_num_unfinished_requests()) if self._llm is not None else 0
+
     @property
     def errored(self) -> bool:
         return bool(getattr(self._llm, "errored", False))

@@ -22,11 +22,12 @@ from grpclib.server import Server
 from loractl import paths
 from loractl.errors import EngineUnavailable, LoractlError
 from loractld.adapters import AdapterResolver
+from loractld.api.grpc_service import LoractlService
 from loractld.basemodel import describe
+from loractld.core import Catalog, Core
 from loractld.engine import Engine, EngineSettings
 from loractld.publisher import Publisher
 from loractld.pulls import Puller
-from loractld.service import Catalog, LoractlService
 from loractld.sources import load_sources
 from loractld.store import Store
 from loractld.systemd import SystemdEnv
@@ -45,6 +46,7 @@ class DaemonSettings:
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
     preload: tuple[str, ...] = ()
     socket_group: str | None = None
+    served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
 
 
 class SocketInUse(LoractlError):
@@ -131,9 +133,9 @@ async def serve(settings: DaemonSettings) -> int:
         except KeyError as e:
             raise LoractlError(f"no group {settings.socket_group!r} on this system",
                                f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
-    service = LoractlService(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
-                             socket_gid=socket_gid)
-    server = Server([service])
+    core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
+                served_model_name=settings.served_model_name or settings.engine.model)
+    server = Server([LoractlService(core, socket_gid=socket_gid)])
     if activated is not None:
         await server.start(sock=activated)
         _log.info("listening on %s (socket activation)", sock_path)
@@ -148,12 +150,12 @@ async def serve(settings: DaemonSettings) -> int:
             os.chown(sock_path, -1, socket_gid)
         _log.info("listening on %s", sock_path)
     systemd.notify("STATUS=starting the engine")
-    publisher = Publisher(service, home=settings.home, socket_path=str(sock_path))
+    publisher = Publisher(core, home=settings.home, socket_path=str(sock_path))
     _log.info("registered as instance %s", publisher.handle.instance_id())
 
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
-        service.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
+        core.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
         return await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
 
     engine: Engine | None = None
@@ -169,39 +171,39 @@ async def serve(settings: DaemonSettings) -> int:
             engine = await engine_task
         except LoractlError as e:
             _log.error("%s (hint: %s)", e.message, e.hint)
-            service.set_failed(e)
+            core.set_failed(e)
             exit_code = 1
         else:
-            assert service.catalog is not None
-            tiers = Tiers(engine, service.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
-                          service.events, service.metrics, max_loras=settings.engine.max_loras,
+            assert core.catalog is not None
+            tiers = Tiers(engine, core.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
+                          core.events, core.metrics, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)
-            service.set_engine(engine, tiers)
+            core.set_engine(engine, tiers)
             tiers.start_following()
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
             systemd.notify("READY=1", f"STATUS=ready: {Path(engine.settings.model).name} on {engine.device}, "
                                       f"{len(tiers.pinned_names())} pinned")
-            watchdog = asyncio.create_task(_watchdog(systemd, service, stop))
+            watchdog = asyncio.create_task(_watchdog(systemd, core, stop))
             _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
                       engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
-        if service.engine_died:
+        if core.engine_died:
             exit_code = 1
-        cancelled = await service.drain(settings.shutdown_grace_s)
+        cancelled = await core.drain(settings.shutdown_grace_s)
         if cancelled:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
     finally:
         stop_task.cancel()
-        if service.tiers is not None:
-            service.tiers.stop_following()
+        if core.tiers is not None:
+            core.tiers.stop_following()
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()
@@ -216,7 +218,7 @@ async def serve(settings: DaemonSettings) -> int:
     return exit_code
 
 
-async def _watchdog(systemd: SystemdEnv, service: LoractlService, stop: asyncio.Event) -> None:
+async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> None:
     """Feed systemd's watchdog while the engine is healthy; stop the daemon when it died.
 
     A dead engine (its process killed, say) cannot be revived in place: report it, refuse
@@ -224,10 +226,10 @@ async def _watchdog(systemd: SystemdEnv, service: LoractlService, stop: asyncio.
     """
     interval = min(systemd.watchdog_interval_s or 1.0, 1.0)
     while not stop.is_set():
-        engine = service.engine
+        engine = core.engine
         if engine is not None and engine.errored:
             _log.error("the engine died; stopping so that the service manager restarts the daemon")
-            service.engine_died = True
+            core.engine_died = True
             systemd.notify("STATUS=engine died; restarting")
             stop.set()
             return
