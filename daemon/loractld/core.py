@@ -127,6 +127,7 @@ class Core:
         self.metrics = Metrics()
         self.startup_error: LoractlError | None = None
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.draining = False
         self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
@@ -153,6 +154,11 @@ class Core:
     def ready(self) -> bool:
         engine = self.engine
         return engine is not None and not self.draining and not engine.errored and not self.engine_died
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generations and pulls running now."""
+        return len(self._inflight)
 
     async def drain(self, grace_seconds: float) -> int:
         """Refuse new work, wait up to ``grace_seconds``, cancel the rest; return how many."""
@@ -234,7 +240,7 @@ class Core:
         return StatusView(version=__version__, pid=os.getpid(), socket=self.socket_path, home=self.home,
                           ready=self.ready, uptime_s=time.monotonic() - self.started,
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
-                          requests_in_flight=len(self._inflight), capacity=capacity, http=self.http_url)
+                          requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url)
 
     # -- generation -----------------------------------------------------------------------
     def base_model_names(self) -> set[str]:
@@ -243,6 +249,11 @@ class Core:
         if self.catalog is not None:
             names |= self.catalog.base_model.names | {self.catalog.base_model.model}
         return names
+
+    async def sampling_defaults(self) -> dict:
+        """The model's own defaults for sampling parameters a request leaves out."""
+        engine, _ = await self._wait_engine()
+        return engine.generation_defaults()
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
         """Everything that can refuse a request before the engine sees it: the adapter, the
@@ -281,21 +292,10 @@ class Core:
             tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
         try:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
-                started = False
-                try:
-                    async with contextlib.aclosing(prepared.engine.generate(
-                            prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
-                        async for delta in deltas:
-                            started = True
-                            yield delta
-                except ValueError as e:
-                    # vLLM's own input checks (a token id outside the vocabulary, ...) come
-                    # before the first output; past that, or with a dead engine, it is no
-                    # longer the request's fault.
-                    if started or prepared.engine.errored:
-                        raise
-                    raise InvalidRequest(f"the engine refused the request: {_first_line(e)}",
-                                         "Check the prompt's tokens and the sampling parameters.") from e
+                async with contextlib.aclosing(prepared.engine.generate(
+                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
+                    async for delta in deltas:
+                        yield delta
         finally:
             if name:
                 self._serving[name] -= 1
@@ -314,11 +314,12 @@ class Core:
         except (AdapterNotFound, InvalidRequest) as e:
             if os.path.isabs(lora) or (isinstance(e, InvalidRequest) and allow_folders):
                 raise  # a missing folder, or a malformed name typed at the CLI: its own message
-            raise UnknownModel(lora, self._close_matches(catalog, lora)) from e
+            raise UnknownModel(lora, self.close_matches(lora)) from e
 
-    def _close_matches(self, catalog: Catalog, name: str) -> list[str]:
+    def close_matches(self, name: str) -> list[str]:
         """Names the user may have meant; reads the store, so only on the error path."""
-        known = sorted({a.name for a in catalog.store.list()} | self.base_model_names())
+        stored = {a.name for a in self.catalog.store.list()} if self.catalog is not None else set()
+        known = sorted(stored | ({self.served_model_name} if self.served_model_name else set()))
         by_lower = {k.lower(): k for k in known}
         matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)
         return [by_lower[m] for m in matches]
@@ -387,6 +388,7 @@ class Core:
     async def _tier_op(self, name: str, op) -> AdapterView:
         catalog = await self._wait_catalog()
         _, tiers = await self._wait_engine()
+        self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
         await op(tiers)
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)
@@ -402,16 +404,17 @@ class Core:
             self.events.unsubscribe(queue)
 
     async def metrics_text(self) -> str:
-        """Prometheus text: the tiers' counters and gauges, the disk tier, the engine's queue."""
+        """Prometheus text: the tiers' counters and gauges, the disk tier, then vLLM's own."""
+        if self.engine is not None:
+            # Read before the tier sync below, which can wait for engine steps.
+            self.metrics.set("loractl_engine_requests", (), self.engine.unfinished_requests())
         if self.tiers is not None:
             await self.tiers.sync()
         if self.catalog is not None:
             stored = await asyncio.to_thread(self.catalog.store.list)
             self.metrics.set("loractl_tier_bytes", (("tier", "disk"),), sum(a.size_bytes for a in stored))
             self.metrics.set("loractl_tier_adapters", (("tier", "disk"),), len(stored))
-        if self.engine is not None:
-            self.metrics.set("loractl_engine_requests", (), self.engine.unfinished_requests())
-        return self.metrics.render()
+        return self.metrics.render() + (self.engine.prometheus_text() if self.engine is not None else "")
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
@@ -480,11 +483,6 @@ def fitted(sampling: Sampling, prompt_tokens: int, engine: Engine) -> Sampling:
     if not 0 < sampling.top_p <= 1:
         raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
     return sampling
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _engine_died() -> EngineUnavailable:

@@ -107,6 +107,15 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: VLLMClientError (0.32), ValueError before."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 class Engine:
     """A running ``AsyncLLM`` with LoRA enabled. Create with :meth:`start`."""
 
@@ -271,6 +280,12 @@ class Engine:
         except Exception as e:
             if self.errored:
                 raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
+            if first and isinstance(e, _client_errors()):
+                # vLLM's own checks of the request (a token id outside the vocabulary, ...),
+                # made before the first output: the request's fault, not the daemon's.
+                reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+                raise InvalidRequest(f"the engine refused the request: {reason}",
+                                     "Check the prompt's tokens and the sampling parameters.") from e
             raise
 
     # -- the LoRA tiers (see loractld.worker_ext for the worker side) ------------------
@@ -297,6 +312,23 @@ class Engine:
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""
         return bool(await self._llm.remove_lora(engine_id))
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (its generation_config.json: temperature, top_p,
+        top_k), which vLLM's server applies to requests that leave them out."""
+        wanted = ("temperature", "top_p", "top_k")
+        return {k: v for k, v in self._llm.model_config.get_diff_sampling_param().items() if k in wanted}
+
+    def prometheus_text(self) -> str:
+        """vLLM's own metrics (``vllm:*``: queue, tokens, latencies, cache use), as the /metrics
+        of ``vllm serve`` shows them, so dashboards made for vLLM read loractl's too."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        class _Families:  # generate_latest wants something with collect()
+            def collect(self):
+                return [family for family in REGISTRY.collect() if family.name.startswith("vllm:")]
+
+        return generate_latest(_Families()).decode()
 
     def unfinished_requests(self) -> int:
         """Requests the engine holds (waiting or running); an aborted one leaves at once."""

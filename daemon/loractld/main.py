@@ -12,6 +12,7 @@ import sys
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
+from loractld.api.http import settings as http_settings
 from loractld.engine import EngineSettings
 from loractld.server import DaemonSettings, serve
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
+    http_settings.add_arguments(p, parse_size, positive_int)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -105,7 +107,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
-                          socket_group=args.socket_group)
+                          socket_group=args.socket_group, served_model_name=args.served_model_name,
+                          http=http_settings.settings_from(args))
 
 
 def _run(coro):

@@ -33,7 +33,10 @@ class Publisher:
         self._task: asyncio.Task | None = None
 
     def _base(self) -> dict:
-        return {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
+        data = {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
+        if self.core.http_url:
+            data["http"] = self.core.http_url  # where OpenAI clients reach this instance
+        return data
 
     async def metadata(self) -> dict:
         core, data = self.core, self._base()

@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpclib.server import Server
 
@@ -23,6 +24,8 @@ from loractl import paths
 from loractl.errors import EngineUnavailable, LoractlError
 from loractld.adapters import AdapterResolver
 from loractld.api.grpc_service import LoractlService
+from loractld.api.http import settings as http_settings
+from loractld.api.http.settings import HttpSettings
 from loractld.basemodel import describe
 from loractld.core import Catalog, Core
 from loractld.engine import Engine, EngineSettings
@@ -33,6 +36,9 @@ from loractld.store import Store
 from loractld.systemd import SystemdEnv
 from loractld.tiers import PersistentState, Tiers
 from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
+
+if TYPE_CHECKING:
+    from loractld.api.http.server import HttpFrontEnd
 
 _log = logging.getLogger("loractld")
 
@@ -47,6 +53,7 @@ class DaemonSettings:
     preload: tuple[str, ...] = ()
     socket_group: str | None = None
     served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
+    http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
 
 
 class SocketInUse(LoractlError):
@@ -109,16 +116,33 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     return catalog
 
 
-async def serve(settings: DaemonSettings) -> int:
-    loop = asyncio.get_running_loop()
-    systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
-    layout = paths.layout(settings.home)
+def _listeners(systemd: SystemdEnv, settings: DaemonSettings) -> tuple[Path, socket.socket | None,
+                                                                      socket.socket | None]:
+    """The gRPC socket's path, the Unix socket systemd passed (if any), and the HTTP API's
+    listening socket (systemd's TCP socket, else one bound for --http, else None): all
+    claimed or checked before the engine starts, so a taken port or a missing API key fails fast."""
     sock_path = paths.socket_path(settings.socket, settings.home)
-    activated = systemd.activated_socket()
+    passed = systemd.activated_sockets()
+    activated = next((s for s in passed if s.family == socket.AF_UNIX), None)
+    http_sock = next((s for s in passed if http_settings.is_tcp(s)), None)
+    if http_sock is not None:
+        http_settings.check_listener(settings.http, *http_sock.getsockname()[:2])
     if activated is not None:
         sock_path = Path(activated.getsockname() or sock_path)
     else:
         _claim_socket_path(sock_path)
+    if http_sock is None and settings.http.address is not None:
+        http_sock = http_settings.bind(*settings.http.address)
+    elif http_sock is None and settings.http.api_key is not None:
+        _log.warning("--api-key-file has no effect: the HTTP API is off (no --http, no socket from systemd)")
+    return sock_path, activated, http_sock
+
+
+async def serve(settings: DaemonSettings) -> int:
+    loop = asyncio.get_running_loop()
+    systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
+    layout = paths.layout(settings.home)
+    sock_path, activated, http_sock = _listeners(systemd, settings)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +173,18 @@ async def serve(settings: DaemonSettings) -> int:
         if socket_gid is not None:
             os.chown(sock_path, -1, socket_gid)
         _log.info("listening on %s", sock_path)
+    http: HttpFrontEnd | None = None
+    if http_sock is not None:
+        from loractld.api.http.server import HttpFrontEnd
+
+        try:
+            http = await HttpFrontEnd.start(core, settings.http, http_sock, debug=_log.isEnabledFor(logging.DEBUG))
+        except BaseException:
+            server.close()
+            if activated is None:
+                sock_path.unlink(missing_ok=True)
+            raise
+        core.http_url = http.url
     systemd.notify("STATUS=starting the engine")
     publisher = Publisher(core, home=settings.home, socket_path=str(sock_path))
     _log.info("registered as instance %s", publisher.handle.instance_id())
@@ -207,6 +243,8 @@ async def serve(settings: DaemonSettings) -> int:
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()
+        if http is not None:
+            await http.close()
         server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), timeout=5)
