@@ -140,15 +140,24 @@ def test_http_socket_activation_and_sigterm_mid_stream(home, reference):
     """Both sockets from systemd (Unix and TCP, as loractld.socket + loractld-http.socket pass
     them): the first HTTP client starts loractld, which serves the API on the TCP socket without
     --http; a stream cut by SIGTERM ends with [DONE] (finished, or an error event saying the
-    daemon stopped it), and the daemon exits 0."""
+    daemon stopped it), and the daemon exits 0.
+
+    The model is the demo's with sampling defaults in its generation_config.json (top_k 1:
+    greedy), served under --served-model-name: a request that names no sampling parameter
+    must take them (as vLLM's server does) and equal the greedy reference."""
     import httpx
 
     short = Path(tempfile.mkdtemp(prefix="lct-sh-", dir="/tmp"))
+    model = short / "model"
+    shutil.copytree(home / "demo" / "model", model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "do_sample": True, "top_k": 1}))
     sock, port = short / "act.sock", _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         ["systemd-socket-activate", "-l", str(sock), "-l", f"127.0.0.1:{port}", *ACTIVATE_ENV,
-         str(BIN / "loractld"), "--model", "demo", "--home", str(home), "--shutdown-grace", "0.5", *ENGINE_FLAGS],
+         str(BIN / "loractld"), "--model", str(model), "--served-model-name", "tiny", "--home", str(home),
+         "--shutdown-grace", "0.5", *ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
@@ -167,12 +176,11 @@ def test_http_socket_activation_and_sigterm_mid_stream(home, reference):
         assert json.loads(status.stdout)["http"] == url
         prompt = "Write a query"
         answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": "demo", "messages": [{"role": "user", "content": prompt}], "temperature": 0, "max_tokens": 12,
-            "min_tokens": 12})
+            "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "min_tokens": 12})
         want = reference.text(reference.greedy(reference.chat_ids(prompt), None, 12, 12))
         assert answer.json()["choices"][0]["message"]["content"] == want
 
-        body = {"model": "demo", "prompt": "Once", "max_tokens": 240, "min_tokens": 240, "temperature": 0,
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 240, "min_tokens": 240, "temperature": 0,
                 "stream": True}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:

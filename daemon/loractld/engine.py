@@ -130,6 +130,7 @@ class Engine:
         # on the event loop they would stall every stream the daemon serves. One thread, as
         # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
+        self._generation_defaults: dict[str, Any] | None = None
         import vllm
 
         self.vllm_version = vllm.__version__
@@ -315,9 +316,13 @@ class Engine:
 
     def generation_defaults(self) -> dict[str, Any]:
         """The model's own sampling defaults (its generation_config.json: temperature, top_p,
-        top_k), which vLLM's server applies to requests that leave them out."""
-        wanted = ("temperature", "top_p", "top_k")
-        return {k: v for k, v in self._llm.model_config.get_diff_sampling_param().items() if k in wanted}
+        top_k), which vLLM's server applies to requests that leave them out. Read once: vLLM
+        reads the file on every call, and this is on the request path."""
+        if self._generation_defaults is None:
+            wanted = ("temperature", "top_p", "top_k")
+            self._generation_defaults = {k: v for k, v in self._llm.model_config.get_diff_sampling_param().items()
+                                         if k in wanted}
+        return dict(self._generation_defaults)
 
     def prometheus_text(self) -> str:
         """vLLM's own metrics (``vllm:*``: queue, tokens, latencies, cache use), as the /metrics

@@ -48,13 +48,14 @@ def _max_model_len(core: Core) -> int | None:
 def _base_card(core: Core) -> dict:
     root = core.catalog.base_model.model if core.catalog is not None else core.served_model_name
     return {"id": core.served_model_name, "object": "model", "created": int(core.started_wall), "owned_by": "loractl",
-            "root": root, "parent": None, "max_model_len": _max_model_len(core), "permission": []}
+            "root": root, "parent": None, "max_model_len": _max_model_len(core), "permission": [],
+            "loractl": {"kind": "base"}}
 
 
 def _adapter_card(core: Core, adapter: AdapterView) -> dict:
     return {"id": adapter.name, "object": "model", "created": int(adapter.pulled_at), "owned_by": "loractl",
             "root": adapter.path, "parent": core.served_model_name, "max_model_len": _max_model_len(core),
-            "permission": [], "loractl": {name: getattr(adapter, name) for name in _OWN_FIELDS}}
+            "permission": [], "loractl": {"kind": "adapter", **{name: getattr(adapter, name) for name in _OWN_FIELDS}}}
 
 
 async def load_adapter(core: Core, body: LoadLoraAdapterRequest, principal: str) -> PlainTextResponse:
