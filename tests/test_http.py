@@ -112,6 +112,25 @@ def test_openai_completions_equal_the_reference(api, demo, reference, adapter):
     assert grpc_text(api, prompt=prompt, lora=adapter, max_tokens=12, min_tokens=12) == want
 
 
+def test_stop_top_p_and_max_completion_tokens(api, demo, reference):
+    """top_p so small that only the likeliest token survives is greedy even at temperature 1;
+    a stop string cuts the answer before its first occurrence, with finish_reason "stop"."""
+    client = api.openai()
+    messages = [{"role": "user", "content": PROMPT}]
+    want = expected(reference, demo, "sql-expert/v1", reference.chat_ids(PROMPT), 20)
+    nucleus = client.chat.completions.create(model="sql-expert/v1", messages=messages, temperature=1.0,
+                                             top_p=1e-6, max_completion_tokens=20, extra_body={"min_tokens": 20})
+    assert nucleus.choices[0].message.content == want and nucleus.usage.completion_tokens == 20
+    # Without min_tokens (which holds stop strings back), on an answer that runs 20 tokens.
+    full = reference.text(reference.greedy(reference.chat_ids("Write a query that lists every user"), None, 20))
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.chat.completions.create(model="demo", temperature=0, max_completion_tokens=20,
+                                         messages=[{"role": "user", "content": "Write a query that lists every user"}],
+                                         stop=[stop, "never-seen-stop"])
+    assert full.index(stop) > 0 and cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
 def test_completions_take_token_ids_and_batches_of_prompts(api, demo, reference):
     prompts = ["SELECT name FROM", "def load("]
     ids = [reference.tokenizer.encode(p) for p in prompts]
