@@ -41,7 +41,9 @@ PART_PREFIX = ARCHIVE + ".part"
 MANIFEST = "MANIFEST.json"
 SELF_NAME = "bundle.py"
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_REQUIREMENTS = ["vllm==0.26.0", "."]  # "." is this repository, built with pip wheel --no-deps
+# "." is this repository, built with pip wheel --no-deps. uvicorn serves loractld --http; vLLM
+# brings it only through fastapi[standard], an extra the vllm-text preset drops.
+DEFAULT_REQUIREMENTS = ["vllm==0.26.0", ".", "uvicorn"]
 CHUNK = 1 << 20
 
 # What a text-only run on Hopper does not need from the vllm wheel (see docs/offline-install.md).
@@ -1107,7 +1109,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="download, trim, pack and split a bundle (needs the package index)")
     b.add_argument("requirements", nargs="*", metavar="REQUIREMENT",
                    help="NAME==VERSION, a .whl path, or a project folder "
-                        "(default: vllm==0.26.0 and this repository's loractl wheel)")
+                        "(default: vllm==0.26.0, this repository's loractl wheel, and uvicorn)")
     b.add_argument("--out", required=True, help="folder for the parts, MANIFEST.json and bundle.py")
     b.add_argument("--python-version", default="3.12", help="the target's Python (default 3.12)")
     b.add_argument("--platform", action="append", help="wheel platform tag of the target, repeatable "

@@ -20,12 +20,13 @@ def test_generated_protocol_code_is_current(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["status", "--socket", "/tmp/lct-none.sock"]])
-def test_cli_never_imports_torch_or_vllm(argv):
+def test_cli_never_imports_torch_vllm_or_the_http_stack(argv):
     code = (
         "import sys\n"
         "from loractl.cli.app import app\n"
         f"try:\n    app({argv!r})\nexcept SystemExit:\n    pass\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "               ('torch', 'vllm', 'transformers', 'fastapi', 'uvicorn', 'starlette'))\n"
         "print('HEAVY', heavy)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -19,8 +20,13 @@ from loractld import config
 from loractld.main import build_parser
 
 
+# systemd-socket-activate starts its command with only the variables named by -E: pass on the
+# ones that decide which loractld code runs (a checkout on PYTHONPATH, say).
+ACTIVATE_ENV = [arg for name in ("PYTHONPATH", "VIRTUAL_ENV") if name in os.environ for arg in ("-E", name)]
+
+
 def render_units(tmp: Path) -> None:
-    for args in (["--system", "--socket-activated"], ["--user"]):
+    for args in (["--system", "--socket-activated", "--http", "127.0.0.1:8000"], ["--user"]):
         result = run_cli("daemon", "install", *args, "--unit-dir", str(tmp / args[0].strip("-")))
         assert result.returncode == 0, result.stderr
 
@@ -30,13 +36,16 @@ def test_units_verify(tmp_path):
     system = tmp_path / "system"
     assert "ExecStart=" + str(BIN / "loractld") in (system / "loractld.service").read_text()
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(system / "loractld.socket"),
-                             str(system / "loractld.service")], capture_output=True, text=True)
+                             str(system / "loractld-http.socket"), str(system / "loractld.service")],
+                            capture_output=True, text=True)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     runtime = Path(tempfile.mkdtemp(prefix="lct-xdg-"))
     result = subprocess.run(["systemd-analyze", "--user", "verify", "--man=no", str(tmp_path / "user" / "loractld.service")],
                             capture_output=True, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     text = (system / "loractld.service").read_text()
+    http_socket = (system / "loractld-http.socket").read_text()
+    assert "ListenStream=127.0.0.1:8000" in http_socket and "Service=loractld.service" in http_socket
     for directive in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "WatchdogSec=", "RuntimeDirectory=",
                       "StateDirectory=", "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                       "ReadWritePaths="):
@@ -55,7 +64,8 @@ def test_notify_and_socket_activation(home):
     sock = short / "act.sock"
     env = {**os.environ, "WATCHDOG_USEC": "1000000"}
     proc = subprocess.Popen(
-        ["systemd-socket-activate", "-l", str(sock), "-E", f"NOTIFY_SOCKET={notify_path}", "-E", "WATCHDOG_USEC=1000000",
+        ["systemd-socket-activate", "-l", str(sock), *ACTIVATE_ENV, "-E", f"NOTIFY_SOCKET={notify_path}",
+         "-E", "WATCHDOG_USEC=1000000",
          str(BIN / "loractld"), "--model", "tiny", "--home", str(home), *ENGINE_FLAGS],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     messages: list[str] = []
@@ -118,3 +128,94 @@ def test_config_errors_name_the_key(tmp_path, content, needle):
         config.resolve(build_parser, ["--config", str(file)])
     result = subprocess.run([str(BIN / "loractld"), "--config", str(file)], capture_output=True, text=True)
     assert result.returncode == 2 and needle.split("'")[0] in result.stderr and "hint:" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_http_socket_activation_and_sigterm_mid_stream(home, reference):
+    """Both sockets from systemd (Unix and TCP, as loractld.socket + loractld-http.socket pass
+    them): the first HTTP client starts loractld, which serves the API on the TCP socket without
+    --http; a stream cut by SIGTERM ends with [DONE] (finished, or an error event saying the
+    daemon stopped it), and the daemon exits 0.
+
+    The model is the demo's with sampling defaults in its generation_config.json (top_k 1:
+    greedy), served under --served-model-name: a request that names no sampling parameter
+    must take them (as vLLM's server does) and equal the greedy reference."""
+    import httpx
+
+    short = Path(tempfile.mkdtemp(prefix="lct-sh-", dir="/tmp"))
+    model = short / "model"
+    shutil.copytree(home / "demo" / "model", model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "do_sample": True, "top_k": 1}))
+    sock, port = short / "act.sock", _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", str(sock), "-l", f"127.0.0.1:{port}", *ACTIVATE_ENV,
+         str(BIN / "loractld"), "--model", str(model), "--served-model-name", "tiny", "--home", str(home),
+         "--shutdown-grace", "0.5", *ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        health = None
+        while time.monotonic() < deadline:  # the first of these starts the daemon
+            try:
+                health = httpx.get(url + "/health", timeout=30)
+                if health.status_code == 200:
+                    break
+                assert health.json()["error"]["message"] == "the engine is starting", health.text
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        assert health is not None and health.status_code == 200
+        status = run_cli("status", "--json", "--socket", str(sock))
+        assert json.loads(status.stdout)["http"] == url
+        prompt = "Write a query"
+        answer = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12, "min_tokens": 12})
+        want = reference.text(reference.greedy(reference.chat_ids(prompt), None, 12, 12))
+        assert answer.json()["choices"][0]["message"]["content"] == want
+
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 240, "min_tokens": 240, "temperature": 0,
+                "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        os.killpg(proc.pid, 15)
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert "error" not in last or last["error"]["code"] == "cancelled", last
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_passed_tcp_socket_beyond_loopback_needs_an_api_key(home):
+    """A socket unit with ListenStream=0.0.0.0:PORT and no api-key-file: loractld refuses to
+    serve (exit 2, one-line error with the hint) instead of opening the API to the network."""
+    short = Path(tempfile.mkdtemp(prefix="lct-sk-", dir="/tmp"))
+    port = _free_port()
+    proc = subprocess.Popen(
+        ["systemd-socket-activate", "-l", f"0.0.0.0:{port}", *ACTIVATE_ENV, str(BIN / "loractld"), "--model", "demo",
+         "--home", str(home), "--socket", str(short / "s.sock"), *ENGINE_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        time.sleep(0.5)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # starts loractld
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2, out
+        assert "would be reachable from other machines without an API key" in out and "--api-key-file" in out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        shutil.rmtree(short, ignore_errors=True)

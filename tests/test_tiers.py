@@ -181,7 +181,7 @@ def test_tier_changes_during_streams_never_change_outputs(tiered, home, referenc
     """Loads, evictions, pins and a refused rm while three generations stream: every output
     still equals its reference, and a request for a missing adapter fails alone."""
     demo = home / "tiny" / "adapters"
-    n = 48
+    n = 160  # long enough to outlast the churn below on a busy machine (48 did not, at times)
     streams = [None, NAMES[0], NAMES[1]]
     prompt = "How do I reverse a list in Python?"
 

@@ -66,7 +66,10 @@ DEFAULT_MAX_TOKENS = 512  # when a request sets none: this many, fewer where the
 
 @dataclass
 class Sampling:
-    max_tokens: int | None = None   # None: DEFAULT_MAX_TOKENS, capped by what the context has left
+    max_tokens: int | None = None   # None: default_max_tokens, capped by what the context has left
+    # The limit an unset max_tokens means: None is the rest of the context (the OpenAI API's
+    # meaning); the CLI's requests (gRPC) use DEFAULT_MAX_TOKENS.
+    default_max_tokens: int | None = None
     min_tokens: int = 0
     temperature: float = 0.8
     top_p: float = 1.0
@@ -112,6 +115,15 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+def _client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: VLLMClientError (0.32), ValueError before."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
 class Engine:
     """A running ``AsyncLLM`` with LoRA enabled. Create with :meth:`start`."""
 
@@ -126,6 +138,7 @@ class Engine:
         # on the event loop they would stall every stream the daemon serves. One thread, as
         # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
+        self._generation_defaults: dict[str, Any] | None = None
         import vllm
 
         self.vllm_version = vllm.__version__
@@ -255,7 +268,8 @@ class Engine:
                 f"the context of {self.max_model_len} tokens",
                 "Lower --max-tokens or shorten the prompt.",
             )
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(DEFAULT_MAX_TOKENS, room)
+        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(
+            sampling.default_max_tokens or room, room)
         params = SamplingParams(
             max_tokens=max_tokens,
             min_tokens=sampling.min_tokens,
@@ -286,6 +300,12 @@ class Engine:
         except Exception as e:
             if self.errored:
                 raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
+            if first and isinstance(e, _client_errors()):
+                # vLLM's own checks of the request (a token id outside the vocabulary, ...),
+                # made before the first output: the request's fault, not the daemon's.
+                reason = (str(e).strip() or type(e).__name__).splitlines()[0]
+                raise InvalidRequest(f"the engine refused the request: {reason}",
+                                     "Check the prompt's tokens and the sampling parameters.") from e
             raise
 
     # -- the LoRA tiers (see loractld.worker_ext for the worker side) ------------------
@@ -312,6 +332,31 @@ class Engine:
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""
         return bool(await self._llm.remove_lora(engine_id))
+
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (its generation_config.json: temperature, top_p,
+        top_k), which vLLM's server applies to requests that leave them out. Read once: vLLM
+        reads the file on every call, and this is on the request path."""
+        if self._generation_defaults is None:
+            wanted = ("temperature", "top_p", "top_k")
+            self._generation_defaults = {k: v for k, v in self._llm.model_config.get_diff_sampling_param().items()
+                                         if k in wanted}
+        return dict(self._generation_defaults)
+
+    def prometheus_text(self) -> str:
+        """vLLM's own metrics (``vllm:*``: queue, tokens, latencies, cache use), as the /metrics
+        of ``vllm serve`` shows them, so dashboards made for vLLM read loractl's too."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        class _Families:  # generate_latest wants something with collect()
+            def collect(self):
+                return [family for family in REGISTRY.collect() if family.name.startswith("vllm:")]
+
+        return generate_latest(_Families()).decode()
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds (waiting or running); an aborted one leaves at once."""
+        return int(self._llm.get_num_unfinished_requests()) if self._llm is not None else 0
 
     @property
     def errored(self) -> bool:

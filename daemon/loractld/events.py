@@ -79,6 +79,7 @@ class Metrics:
         "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),
         "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
         "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
+        "loractl_engine_requests": ("gauge", "Requests the engine holds (waiting or running)."),
     }
 
     def render(self) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
+from loractld.api.http import settings as http_settings
 from loractld.engine import EngineSettings
 from loractld.server import DaemonSettings, serve
 
@@ -61,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TOML file with any of these settings (default: loractld.toml in the user config dir)")
     p.add_argument("--model", help="base model: a local folder, a Hub repo id, a .gguf file, 'demo' or 'tiny' (required)")
     p.add_argument("--served-model-name", metavar="NAME",
-                   help="what the model is (e.g. its Hub id), when --model is a folder named otherwise: "
-                        "adapters whose base_model_name_or_path says NAME are accepted")
+                   help="the model's name: in the HTTP API (default: the --model argument), and what it is "
+                        "(e.g. its Hub id) when --model is a folder named otherwise: adapters whose "
+                        "base_model_name_or_path says NAME are accepted")
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template file to use instead of the model's own (for models without one)")
     p.add_argument("--home", help="put every file under this folder (default: $LORACTL_HOME, else user dirs)")
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
+    http_settings.add_arguments(p, parse_size, positive_int)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -117,7 +120,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
-                          socket_group=args.socket_group, served_model_name=args.served_model_name)
+                          socket_group=args.socket_group, served_model_name=args.served_model_name,
+                          http=http_settings.settings_from(args))
 
 
 def _read_template(path: str) -> str:

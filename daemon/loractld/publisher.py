@@ -18,29 +18,32 @@ from loractl import __version__
 from loractl.registry import InstanceHandle, ServiceRegistry
 
 if TYPE_CHECKING:
-    from loractld.service import LoractlService
+    from loractld.core import Core
 
 _log = logging.getLogger("loractld.publisher")
 NAMESPACE, COMPONENT = "loractl", "loractld"
 
 
 class Publisher:
-    def __init__(self, service: LoractlService, *, home: str | None, socket_path: str) -> None:
-        self.service = service
+    def __init__(self, core: Core, *, home: str | None, socket_path: str) -> None:
+        self.core = core
         self.socket_path = socket_path
         self.handle: InstanceHandle = ServiceRegistry(home=home).register_instance(
             NAMESPACE, COMPONENT, metadata=self._base())
         self._task: asyncio.Task | None = None
 
     def _base(self) -> dict:
-        return {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
+        data = {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
+        if self.core.http_url:
+            data["http"] = self.core.http_url  # where OpenAI clients reach this instance
+        return data
 
     async def metadata(self) -> dict:
-        service, data = self.service, self._base()
-        engine, tiers, catalog = service.engine, service.tiers, service.catalog
+        core, data = self.core, self._base()
+        engine, tiers, catalog = core.engine, core.tiers, core.catalog
         if engine is None or tiers is None or catalog is None:
             return data
-        state = tiers._last
+        state = tiers.last_state
         stored = await asyncio.to_thread(catalog.store.list)
         available, loaded = [], []
         for adapter in stored:
@@ -74,7 +77,7 @@ class Publisher:
         self._task = asyncio.create_task(self._follow())
 
     async def _follow(self) -> None:
-        queue = self.service.events.subscribe()
+        queue = self.core.events.subscribe()
         try:
             while True:
                 await queue.get()
@@ -83,7 +86,7 @@ class Publisher:
                     queue.get_nowait()
                 await self.refresh()
         finally:
-            self.service.events.unsubscribe(queue)
+            self.core.events.unsubscribe(queue)
 
     def set_ready(self, ready: bool) -> None:
         self.handle.set_ready(ready)

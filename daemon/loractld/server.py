@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from grpclib.server import Server
 
@@ -23,16 +24,22 @@ from loractl import paths
 from loractl.errors import LoractlError
 from loractld import enginepid
 from loractld.adapters import AdapterResolver
+from loractld.api.grpc_service import LoractlService
+from loractld.api.http import settings as http_settings
+from loractld.api.http.settings import HttpSettings
 from loractld.basemodel import describe
+from loractld.core import Catalog, Core
 from loractld.engine import Engine, EngineSettings
 from loractld.publisher import Publisher
 from loractld.pulls import Puller
-from loractld.service import Catalog, LoractlService
 from loractld.sources import load_sources
 from loractld.store import Store
 from loractld.systemd import SystemdEnv
 from loractld.tiers import PersistentState, Tiers
 from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
+
+if TYPE_CHECKING:
+    from loractld.api.http.server import HttpFrontEnd
 
 _log = logging.getLogger("loractld")
 
@@ -46,7 +53,8 @@ class DaemonSettings:
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
     preload: tuple[str, ...] = ()
     socket_group: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
+    http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
 
 
 class SocketInUse(LoractlError):
@@ -125,16 +133,33 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     return catalog
 
 
-async def serve(settings: DaemonSettings) -> int:
-    loop = asyncio.get_running_loop()
-    systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
-    layout = paths.layout(settings.home)
+def _listeners(systemd: SystemdEnv, settings: DaemonSettings) -> tuple[Path, socket.socket | None,
+                                                                      socket.socket | None]:
+    """The gRPC socket's path, the Unix socket systemd passed (if any), and the HTTP API's
+    listening socket (systemd's TCP socket, else one bound for --http, else None): all
+    claimed or checked before the engine starts, so a taken port or a missing API key fails fast."""
     sock_path = paths.socket_path(settings.socket, settings.home)
-    activated = systemd.activated_socket()
+    passed = systemd.activated_sockets()
+    activated = next((s for s in passed if s.family == socket.AF_UNIX), None)
+    http_sock = next((s for s in passed if http_settings.is_tcp(s)), None)
+    if http_sock is not None:
+        http_settings.check_listener(settings.http, *http_sock.getsockname()[:2])
     if activated is not None:
         sock_path = Path(activated.getsockname() or sock_path)
     else:
         _claim_socket_path(sock_path)
+    if http_sock is None and settings.http.address is not None:
+        http_sock = http_settings.bind(*settings.http.address)
+    elif http_sock is None and settings.http.api_key is not None:
+        _log.warning("--api-key-file has no effect: the HTTP API is off (no --http, no socket from systemd)")
+    return sock_path, activated, http_sock
+
+
+async def serve(settings: DaemonSettings) -> int:
+    loop = asyncio.get_running_loop()
+    systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
+    layout = paths.layout(settings.home)
+    sock_path, activated, http_sock = _listeners(systemd, settings)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,9 +174,9 @@ async def serve(settings: DaemonSettings) -> int:
         except KeyError as e:
             raise LoractlError(f"no group {settings.socket_group!r} on this system",
                                f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
-    service = LoractlService(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
-                             socket_gid=socket_gid)
-    server = Server([service])
+    core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
+                served_model_name=settings.served_model_name or settings.engine.model)
+    server = Server([LoractlService(core, socket_gid=socket_gid)])
     if activated is not None:
         await server.start(sock=activated)
         _log.info("listening on %s (socket activation)", sock_path)
@@ -165,13 +190,25 @@ async def serve(settings: DaemonSettings) -> int:
         if socket_gid is not None:
             os.chown(sock_path, -1, socket_gid)
         _log.info("listening on %s", sock_path)
+    http: HttpFrontEnd | None = None
+    if http_sock is not None:
+        from loractld.api.http.server import HttpFrontEnd
+
+        try:
+            http = await HttpFrontEnd.start(core, settings.http, http_sock, debug=_log.isEnabledFor(logging.DEBUG))
+        except BaseException:
+            server.close()
+            if activated is None:
+                sock_path.unlink(missing_ok=True)
+            raise
+        core.http_url = http.url
     systemd.notify("STATUS=starting the engine")
-    publisher = Publisher(service, home=settings.home, socket_path=str(sock_path))
+    publisher = Publisher(core, home=settings.home, socket_path=str(sock_path))
     _log.info("registered as instance %s", publisher.handle.instance_id())
 
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
-        service.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
+        core.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
         await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
         started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
         await asyncio.to_thread(enginepid.record, layout.state_dir)
@@ -190,42 +227,44 @@ async def serve(settings: DaemonSettings) -> int:
             engine = await engine_task
         except LoractlError as e:
             _log.error("%s (hint: %s)", e.message, e.hint)
-            service.set_failed(e)
+            core.set_failed(e)
             exit_code = 1
         else:
-            assert service.catalog is not None
-            tiers = Tiers(engine, service.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
-                          service.events, service.metrics, max_loras=settings.engine.max_loras,
+            assert core.catalog is not None
+            tiers = Tiers(engine, core.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
+                          core.events, core.metrics, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)
-            service.set_engine(engine, tiers)
+            core.set_engine(engine, tiers)
             tiers.start_following()
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
             systemd.notify("READY=1", f"STATUS=ready: {Path(engine.settings.model).name} on {engine.device}, "
                                       f"{len(tiers.pinned_names())} pinned")
-            watchdog = asyncio.create_task(_watchdog(systemd, service, stop))
+            watchdog = asyncio.create_task(_watchdog(systemd, core, stop))
             _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
                       engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
-        if service.engine_died:
+        if core.engine_died:
             exit_code = 1
-        cancelled = await service.drain(settings.shutdown_grace_s)
+        cancelled = await core.drain(settings.shutdown_grace_s)
         if cancelled:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
     finally:
         stop_task.cancel()
-        if service.tiers is not None:
-            service.tiers.stop_following()
+        if core.tiers is not None:
+            core.tiers.stop_following()
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()
+        if http is not None:
+            await http.close()
         server.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server.wait_closed(), timeout=5)
@@ -238,7 +277,7 @@ async def serve(settings: DaemonSettings) -> int:
     return exit_code
 
 
-async def _watchdog(systemd: SystemdEnv, service: LoractlService, stop: asyncio.Event) -> None:
+async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> None:
     """Feed systemd's watchdog while the engine is healthy; stop the daemon when it died.
 
     A dead engine (its process killed, say) cannot be revived in place: report it, refuse
@@ -246,10 +285,10 @@ async def _watchdog(systemd: SystemdEnv, service: LoractlService, stop: asyncio.
     """
     interval = min(systemd.watchdog_interval_s or 1.0, 1.0)
     while not stop.is_set():
-        engine = service.engine
+        engine = core.engine
         if engine is not None and engine.errored:
             _log.error("the engine died; stopping so that the service manager restarts the daemon")
-            service.engine_died = True
+            core.engine_died = True
             systemd.notify("STATUS=engine died; restarting")
             stop.set()
             return

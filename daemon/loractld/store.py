@@ -234,14 +234,17 @@ class Store:
                 removed.append(str(obj))
         return removed
 
-    def remove(self, name: str) -> StoredAdapter:
+    def remove(self, name: str, *, keep_object: bool = False) -> StoredAdapter:
+        """Remove ``name``. With ``keep_object`` a pulled adapter's folder stays for
+        ``collect_garbage`` (requests that resolved it earlier may still need it)."""
         adapter = self.get(name)
         entry = self.root / name
         if adapter.hand_placed:
             shutil.rmtree(entry)
         else:
             entry.unlink()
-            shutil.rmtree(adapter.path, ignore_errors=True)
+            if not keep_object:
+                shutil.rmtree(adapter.path, ignore_errors=True)
         parent = entry.parent
         if parent != self.root and not any(parent.iterdir()):
             parent.rmdir()

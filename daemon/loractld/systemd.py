@@ -52,10 +52,12 @@ class SystemdEnv:
         """How often to send WATCHDOG=1: half the timeout systemd set."""
         return self.watchdog_usec / 2e6 if self.watchdog_usec else None
 
-    def activated_socket(self) -> socket.socket | None:
-        """The listening Unix socket systemd passed us (socket activation), if any."""
-        if self.listen_fds < 1:
-            return None
-        sock = socket.socket(fileno=SD_LISTEN_FDS_START)
-        sock.setblocking(False)
-        return sock
+    def activated_sockets(self) -> list[socket.socket]:
+        """The listening sockets systemd passed us (socket activation), in its order; each
+        one's family says what it is for (Unix: gRPC, TCP: the HTTP API)."""
+        sockets = []
+        for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + self.listen_fds):
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            sockets.append(sock)
+        return sockets

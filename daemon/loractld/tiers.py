@@ -204,6 +204,12 @@ class Tiers:
             except Exception:  # noqa: BLE001 - a dead engine is the watchdog's business
                 _log.debug("tier state read failed", exc_info=True)
 
+    @property
+    def last_state(self) -> EngineState:
+        """The state as of the last read (no read now): for replies right after an operation,
+        which ends with a read of its own."""
+        return self._last
+
     def _label(self, engine_id: int) -> str:
         return self.resolver.label_of(engine_id) or f"#{engine_id}"
 

@@ -38,6 +38,9 @@ def install(
     socket_activated: Annotated[bool, typer.Option("--socket-activated",
                                                    help="Also install loractld.socket (system only).")] = False,
     model: Annotated[str | None, typer.Option("--model", help="Write this model into the config file.")] = None,
+    http: Annotated[str | None, typer.Option("--http", metavar="HOST:PORT",
+                                             help="Also install loractld-http.socket: the OpenAI-compatible API "
+                                                  "on HOST:PORT (with --system --socket-activated).")] = None,
     unit_dir: Annotated[Path | None, typer.Option("--unit-dir", help="Write units here instead.")] = None,
     enable: Annotated[bool, typer.Option("--enable/--no-enable", help="systemctl enable --now afterwards.")] = True,
 ) -> None:
@@ -51,10 +54,18 @@ def install(
         loractl daemon install --user --model demo
 
         sudo loractl daemon install --system --socket-activated
+
+        sudo loractl daemon install --system --socket-activated --http 127.0.0.1:8000
     """
     if socket_activated and user:
         raise fail(InvalidRequest("socket activation is set up for the system unit only",
                                   "Use --system --socket-activated."))
+    if http is not None and not socket_activated:
+        raise fail(InvalidRequest("--http installs a socket unit, for the socket-activated system service",
+                                  "Use --system --socket-activated --http HOST:PORT, or put http = \"HOST:PORT\" "
+                                  "in loractld.toml."))
+    if http is not None and (":" not in http or not http.rsplit(":", 1)[1].isdigit()):
+        raise fail(InvalidRequest(f"not an address to listen on: {http!r}", "Use HOST:PORT, e.g. 127.0.0.1:8000."))
     if user:
         target = unit_dir or Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "systemd" / "user"
         units = {"loractld.service": "loractld-user.service"}
@@ -64,6 +75,8 @@ def install(
         units = {"loractld.service": "loractld.service"}
         if socket_activated:
             units["loractld.socket"] = "loractld.socket"
+        if http is not None:
+            units["loractld-http.socket"] = "loractld-http.socket"
         config = Path("/etc/loractl/loractld.toml")
     if unit_dir is not None:
         config = unit_dir / "loractld.toml"
@@ -71,7 +84,10 @@ def install(
     try:
         target.mkdir(parents=True, exist_ok=True)
         for installed, shipped in units.items():
-            (target / installed).write_text(unit_text(shipped, loractld))
+            text = unit_text(shipped, loractld)
+            if installed == "loractld-http.socket":
+                text = text.replace("ListenStream=127.0.0.1:8000", f"ListenStream={http}")
+            (target / installed).write_text(text)
             stdout.print(f"wrote {target / installed}")
         if not config.exists():
             config.parent.mkdir(parents=True, exist_ok=True)
@@ -86,13 +102,13 @@ def install(
     if not enable or unit_dir is not None:
         return
     scope = ["--user"] if user else []
-    unit = "loractld.socket" if socket_activated else "loractld.service"
-    for args in (["daemon-reload"], ["enable", "--now", unit]):
+    enabled = [u for u in units if u.endswith(".socket")] or ["loractld.service"]
+    for args in (["daemon-reload"], ["enable", "--now", *enabled]):
         result = subprocess.run(["systemctl", *scope, *args], capture_output=True, text=True)
         if result.returncode != 0:
             stderr.print(f"systemctl {' '.join(scope + args)} failed: {result.stderr.strip()}")
             raise typer.Exit(1)
-    stdout.print(f"enabled {unit}; follow it with: journalctl {' '.join(scope)} -u loractld -f")
+    stdout.print(f"enabled {' '.join(enabled)}; follow it with: journalctl {' '.join(scope)} -u loractld -f")
 
 
 def register(root: typer.Typer) -> None:

@@ -58,6 +58,8 @@ def status(
     table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")
     table.add_row("daemon", f"loractld {info['version']}, vllm {engine['vllm_version'] or '-'}, pid {info['pid']}")
     table.add_row("socket", info["socket"])
+    if info.get("http"):
+        table.add_row("http", f"{info['http']}/v1 (OpenAI-compatible)")
     stdout.print(table)
 
 

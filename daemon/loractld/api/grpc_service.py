@@ -1,0 +1,209 @@
+"""The gRPC servicer: messages in, ``Core`` calls, messages out; nothing else.
+
+Invariants:
+- Every domain error leaves as a gRPC status whose message carries kind, message and hint
+  (``loractl.errors.to_wire``); anything else is logged with its traceback and leaves as
+  INTERNAL with a one-line message, never as a bare traceback.
+- State-changing RPCs are allowed to root, the daemon's own user and its socket group only,
+  as the kernel reports the peer (SO_PEERCRED), and each one is audited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from grpclib.exceptions import GRPCError
+
+from loractl.errors import LoractlError, PermissionDenied, to_wire
+from loractl.v1 import loractl_pb2 as pb
+from loractl.v1.loractl_grpc import LoractlBase
+from loractld.core import GenerationRequest, audited
+from loractld.engine import DEFAULT_MAX_TOKENS, Sampling
+from loractld.views import AdapterView
+
+if TYPE_CHECKING:
+    from loractld.core import Core
+
+_log = logging.getLogger("loractld.grpc")
+
+
+def peer_credentials(stream) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of the Unix socket (SO_PEERCRED).
+
+    grpclib exposes the transport only privately; the socket itself is what the kernel vouches for.
+    """
+    import socket as socket_module
+    import struct
+
+    sock = stream.peer._transport.get_extra_info("socket")
+    raw = sock.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def mutating(operation: str, target=lambda request: request.name):
+    """Only root, the daemon's own user or its socket group may change state; audit each call.
+
+    The handler receives the request message already read (the audit line names its target)."""
+
+    def decorate(handler):
+        @functools.wraps(handler)
+        async def wrapper(self, stream):
+            pid, uid, gid = peer_credentials(stream)
+            request = await stream.recv_message()
+            async with audited(f"uid={uid} pid={pid}", operation, target(request) or "-"):
+                if not (uid in (0, os.getuid()) or (self.socket_gid is not None and self._in_group(uid, gid))):
+                    raise PermissionDenied(f"uid {uid} may not {operation} on this daemon")
+                await handler(self, stream, request)
+        return wrapper
+
+    return decorate
+
+
+def domain_errors(handler):
+    """Turn domain errors raised by a handler into gRPC statuses the client can rebuild."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, stream):
+        try:
+            await handler(self, stream)
+        except LoractlError as e:
+            raise GRPCError(e.grpc_status, to_wire(e)) from e
+        except (GRPCError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            _log.exception("unexpected error in %s", handler.__name__)
+            error = LoractlError(f"internal error in {handler.__name__}: {type(e).__name__}: {e}")
+            raise GRPCError(error.grpc_status, to_wire(error)) from e
+
+    return wrapper
+
+
+class LoractlService(LoractlBase):
+    def __init__(self, core: Core, *, socket_gid: int | None = None) -> None:
+        self.core = core
+        self.socket_gid = socket_gid
+
+    def _in_group(self, uid: int, gid: int) -> bool:
+        import grp
+        import pwd
+
+        if gid == self.socket_gid:
+            return True
+        try:
+            return pwd.getpwuid(uid).pw_name in grp.getgrgid(self.socket_gid).gr_mem
+        except KeyError:
+            return False
+
+    @domain_errors
+    async def Status(self, stream) -> None:
+        await stream.recv_message()
+        view = await self.core.status()
+        fields = dataclasses.asdict(view)
+        fields["engine"] = pb.EngineConfig(**fields["engine"])
+        fields["capacity"] = pb.Capacity(**fields["capacity"])
+        await stream.send_message(pb.StatusReply(**fields))
+
+    @domain_errors
+    async def Generate(self, stream) -> None:
+        request: pb.GenerateRequest = await stream.recv_message()
+        prepared = await self.core.prepare(GenerationRequest(
+            prompt=request.prompt,
+            messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
+            lora=request.lora, sampling=_sampling_from(request.sampling),
+        ))
+        produced = 0
+        async with contextlib.aclosing(self.core.run(prepared)) as deltas:
+            async for delta in deltas:
+                produced += len(delta.token_ids)
+                reply = pb.GenerateReply(text=delta.text, token_ids=delta.token_ids)
+                if delta.prompt_token_ids is not None:
+                    reply.prompt_token_ids.extend(delta.prompt_token_ids)
+                    reply.adapter = prepared.adapter.engine_name if prepared.adapter else ""
+                if delta.finish_reason:
+                    reply.finish_reason = delta.finish_reason
+                    reply.usage.prompt_tokens = len(prepared.prompt_ids)
+                    reply.usage.completion_tokens = produced
+                await stream.send_message(reply)
+
+    @domain_errors
+    @mutating("pull", target=lambda r: f"{r.ref} as {r.name or '(default name)'}")
+    async def Pull(self, stream, request: pb.PullRequest) -> None:
+        async for event in self.core.pull(request.ref, name=request.name, revision=request.revision,
+                                          force=request.force, token=request.hf_token or None,
+                                          endpoint=request.hf_endpoint or None):
+            reply = pb.PullProgress(stage=event.stage, file=event.file, done_bytes=event.done,
+                                    total_bytes=event.total, message=event.message)
+            if event.adapter is not None:
+                reply.adapter.CopyFrom(adapter_message(AdapterView.of(event.adapter)))
+            await stream.send_message(reply)
+
+    @domain_errors
+    async def List(self, stream) -> None:
+        await stream.recv_message()
+        views = await self.core.list_adapters()
+        await stream.send_message(pb.ListReply(adapters=[adapter_message(v) for v in views]))
+
+    @domain_errors
+    async def Show(self, stream) -> None:
+        request: pb.ShowRequest = await stream.recv_message()
+        await stream.send_message(adapter_message(await self.core.show(request.name)))
+
+    @domain_errors
+    @mutating("load")
+    async def Load(self, stream, request: pb.LoadRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.load(request.name, request.to)))
+
+    @domain_errors
+    @mutating("evict")
+    async def Evict(self, stream, request: pb.EvictRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.evict(request.name, getattr(request, "from"))))
+
+    @domain_errors
+    @mutating("pin")
+    async def Pin(self, stream, request: pb.NameRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.pin(request.name)))
+
+    @domain_errors
+    @mutating("unpin")
+    async def Unpin(self, stream, request: pb.NameRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.unpin(request.name)))
+
+    @domain_errors
+    @mutating("rm")
+    async def Remove(self, stream, request: pb.RemoveRequest) -> None:
+        removed = await self.core.remove(request.name, force=request.force)
+        await stream.send_message(pb.RemoveReply(adapter=adapter_message(removed.adapter), unloaded=removed.unloaded))
+
+    @domain_errors
+    async def Events(self, stream) -> None:
+        await stream.recv_message()
+        async for event in self.core.watch_events():
+            await stream.send_message(pb.LifecycleEvent(kind=event.kind, adapter=event.adapter, reason=event.reason,
+                                                        message=event.message, time=event.time))
+
+    @domain_errors
+    async def Metrics(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.MetricsReply(text=await self.core.metrics_text()))
+
+
+def adapter_message(view: AdapterView) -> pb.Adapter:
+    fields = dataclasses.asdict(view)
+    fields["files"] = [pb.FileRecord(**f) for f in fields["files"]]
+    return pb.Adapter(**fields)
+
+
+def _sampling_from(params: pb.SamplingParams) -> Sampling:
+    """Proto sampling params over the defaults; unset optional fields keep the default."""
+    sampling = Sampling(default_max_tokens=DEFAULT_MAX_TOKENS)  # run/chat: 512 unless the context ends first
+    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed"):
+        if params.HasField(name):
+            setattr(sampling, name, getattr(params, name))
+    sampling.stop = list(params.stop)
+    return sampling

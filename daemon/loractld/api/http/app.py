@@ -1,0 +1,208 @@
+"""The OpenAI-compatible HTTP app: routes, the guard in front of them, one error schema.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{id}]``,
+vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``, ``GET /health``,
+``GET /metrics`` (the same Prometheus text as ``loractl metrics``), ``GET /load``, ``GET /version``, and
+FastAPI's ``/docs``.
+
+Invariants:
+- Every answer that is not a success is in the OpenAI error schema (``errors``), 404s and
+  405s of unknown routes included; an unexpected exception is logged and answered 500.
+- With an API key, every route but ``/health`` wants ``Authorization: Bearer KEY``, compared in
+  constant time. Without one (loopback only, see ``settings``), requests must name a loopback
+  host in ``Host``: a web page cannot reach the API through DNS rebinding.
+- A body is read only up to ``max_body_bytes`` (413 past it) and must be declared JSON: a
+  browser cannot send that cross-origin without a CORS preflight, which this app never grants.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from loractl import __version__
+from loractl.errors import LoractlError
+from loractld.api.http import models
+from loractld.api.http.errors import HttpError, error_response, from_domain
+from loractld.api.http.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
+                                        UnloadLoraAdapterRequest, parse)
+from loractld.api.http.serving import Limiter, Serving
+
+if TYPE_CHECKING:
+    from loractld.api.http.settings import HttpSettings
+    from loractld.core import Core
+
+_log = logging.getLogger("loractld.http")
+_OPEN_PATHS = {"/health"}
+
+
+def build_app(core: Core, settings: HttpSettings):
+    """The ASGI app: the FastAPI routes behind :class:`Guard`."""
+    app = FastAPI(title="loractld", version=__version__, redoc_url=None,
+                  description="OpenAI-compatible API of a loractl daemon: the base model and its LoRA adapters.")
+    serving = Serving(core, Limiter(settings.max_concurrency))
+
+    async def body_of(request: Request, model):
+        return parse(await read_body(request, settings.max_body_bytes), model)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request, await body_of(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request, await body_of(request, CompletionRequest))
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(await models.list_models(core))
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> JSONResponse:
+        return JSONResponse(await models.retrieve_model(core, model))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request, LoadLoraAdapterRequest)
+        return await models.load_adapter(core, body, principal(request))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await body_of(request, UnloadLoraAdapterRequest)
+        return await models.unload_adapter(core, body, principal(request))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if core.ready:
+            return JSONResponse({"status": "ok"})
+        if core.startup_error is not None:
+            raise from_domain(core.startup_error)
+        if core.draining or core.engine_died or core.engine is not None:
+            return error_response(503, "the daemon is shutting down or its engine died", "See the daemon's log.",
+                                  code="engine_unavailable")
+        return error_response(503, "the engine is starting", "Retry in a moment (loractl status --wait waits).",
+                              code="engine_unavailable")
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        """vLLM's load probe (requests in the daemon), with what the engine itself holds;
+        cheap: no engine round trip, unlike /metrics."""
+        engine = core.engine
+        return JSONResponse({"server_load": core.requests_in_flight,
+                             "engine_requests": engine.unfinished_requests() if engine is not None else 0})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(await core.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        engine = core.engine
+        return JSONResponse({"version": __version__, "vllm_version": engine.vllm_version if engine else None})
+
+    @app.exception_handler(HttpError)
+    async def http_error(_: Request, e: HttpError) -> Response:
+        return e.response()
+
+    @app.exception_handler(LoractlError)
+    async def domain_error(_: Request, e: LoractlError) -> Response:
+        return from_domain(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code == 404:
+            return error_response(404, f"no route {request.url.path}", "The API lives under /v1; see /docs.",
+                                  code="not_found")
+        return error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                              "See /docs for the methods each route takes.", code="http_error",
+                              headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> Response:
+        _log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=e)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "See the daemon's log.",
+                              code="internal")
+
+    return Guard(app, api_key=settings.api_key)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused past ``limit`` bytes (before reading, when it says its length)."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+        raise HttpError(415, "the request body must be JSON, sent with Content-Type: application/json",
+                        "With curl: -H 'Content-Type: application/json'.", code="unsupported_media_type")
+    too_large = HttpError(413, f"the request body is larger than {limit} bytes",
+                          "Send less, or raise loractld --http-max-body.", code="body_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def principal(request: Request) -> str:
+    """Who made a call, for the audit log (the socket's lines say uid and pid)."""
+    client = request.client
+    return f"http={client.host}:{client.port}" if client else "http=-"
+
+
+class Guard:
+    """Authentication (API key) or, without a key, loopback-only Host names; see the module."""
+
+    def __init__(self, app, *, api_key: bytes | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> Response | None:
+        headers = dict(scope["headers"])
+        if self.api_key is None:
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host and not _is_loopback_name(host):
+                return error_response(403, f"this API answers only requests for localhost, not {host!r}",
+                                      "Use http://127.0.0.1:PORT, or give the daemon an --api-key-file.",
+                                      code="forbidden_host")
+            return None
+        if scope["path"] in _OPEN_PATHS:
+            return None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key):
+            return None
+        return error_response(401, "missing or wrong API key", "Send the header: Authorization: Bearer KEY.",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _host_name(value: str) -> str:
+    """The host part of a Host header: ``[::1]:8000`` -> ``::1``, ``localhost:8000`` -> ``localhost``."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0]
+
+
+def _is_loopback_name(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,128 @@
+"""The HTTP API's flags and the checks made before anything starts.
+
+Standard library only: a daemon without ``--http`` never imports FastAPI or uvicorn.
+
+Invariant: the API never listens beyond the loopback interface without an API key. The key is
+read from a file (``--api-key-file``), never from the command line, where every local user
+could read it in the process list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from loractl.errors import InvalidRequest, LoractlError
+
+_log = logging.getLogger("loractld.http")
+DEFAULT_MAX_BODY = 4 << 20
+DEFAULT_MAX_CONCURRENCY = 256
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    address: tuple[str, int] | None = None    # None: only a socket systemd passes (socket activation)
+    api_key: bytes | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+
+
+def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int) -> None:
+    parser.add_argument("--http", metavar="HOST:PORT",
+                        help="also serve the OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8000 (default: off)")
+    parser.add_argument("--api-key-file", metavar="FILE",
+                        help="HTTP clients must send the key in this file as 'Authorization: Bearer KEY' "
+                             "(required when --http is not a loopback address)")
+    parser.add_argument("--http-max-body", type=parse_size, default=DEFAULT_MAX_BODY, metavar="SIZE",
+                        help="refuse HTTP request bodies larger than this with 413 (default: 4MiB)")
+    parser.add_argument("--http-max-concurrency", type=positive_int, default=DEFAULT_MAX_CONCURRENCY, metavar="N",
+                        help="answer generation requests past N at once with 429 (default: 256)")
+
+
+def settings_from(args: argparse.Namespace) -> HttpSettings:
+    """The HTTP settings; refuses what must not start (see :func:`check_listener`)."""
+    address = parse_address(args.http) if args.http else None
+    key = read_api_key(Path(args.api_key_file)) if args.api_key_file else None
+    settings = HttpSettings(address=address, api_key=key, max_body_bytes=args.http_max_body,
+                            max_concurrency=args.http_max_concurrency)
+    if address is not None:
+        check_listener(settings, *address)
+    return settings
+
+
+def check_listener(settings: HttpSettings, host: str, port: int) -> None:
+    """No API key, no listening beyond this machine."""
+    if settings.api_key is None and not is_loopback(host):
+        raise InvalidRequest(f"the HTTP API on {format_url(host, port)} would be reachable from other machines "
+                             "without an API key",
+                             "Pass --api-key-file FILE (a file holding the key), or listen on 127.0.0.1.")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPV6]:PORT`` or ``:PORT`` (loopback) -> (host, port)."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise InvalidRequest(f"not an address to listen on: {text!r}", "Use HOST:PORT, e.g. --http 127.0.0.1:8000.")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def read_api_key(path: Path) -> bytes:
+    try:
+        text = path.read_text().strip()
+        mode = path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"cannot read the API key file {path}: {e}",
+                             "Point --api-key-file at a readable file holding one key.") from e
+    if not text or len(text.splitlines()) != 1:
+        raise InvalidRequest(f"the API key file {path} must hold exactly one non-empty line",
+                             "Write one key, e.g.: openssl rand -hex 32 > FILE")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        _log.warning("the API key file %s is readable by others than its owner: chmod 600 %s", path, path)
+    return text.encode()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine starts, so a taken port fails fast."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise LoractlError(f"cannot listen on {format_url(host, port)}: {e.strerror or e}",
+                           "Stop what listens there (ss -ltnp shows it), or choose another --http address.") from e
+    sock.setblocking(False)
+    return sock
+
+
+def format_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def is_tcp(sock: socket.socket) -> bool:
+    return sock.family in (socket.AF_INET, socket.AF_INET6)
+
+
+def describe_key_state(settings: HttpSettings, url: str) -> str:
+    if settings.api_key is not None:
+        return f"HTTP API on {url} (bearer API key required)"
+    return f"HTTP API on {url} (no API key: every local user can use it)"
+
+

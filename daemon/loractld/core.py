@@ -1,0 +1,499 @@
+"""The daemon's operations, knowing nothing of gRPC or HTTP.
+
+Both front ends — the gRPC servicer on the Unix socket (``loractld.api.grpc_service``) and the
+OpenAI-compatible HTTP app (``loractld.api.http``) — are thin translations over :class:`Core`:
+generate, pull, list, show, load, evict, pin, unpin, remove, events, metrics and status are
+written here once, and fail only with domain errors (``loractl.errors``), which each door maps
+to its own status codes and error schema.
+
+Invariants:
+- Nothing on the request path reads the engine's tier state: a generation resolves its adapter
+  from the resolver's in-memory index and only marks the tiers busy (``Tiers.note_activity``);
+  the tier follower does the reading, off the path.
+- While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
+  when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
+- An adapter folder a running request may still need (vLLM reloads from disk after an eviction)
+  is never deleted: a replaced revision's folder goes once no request uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import difflib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loractl import __version__
+from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied
+from loractld.engine import Delta, Sampling
+from loractld.events import Event, EventBus, Metrics
+from loractld.views import AdapterView, CapacityView, EngineConfigView, RemovedView, StatusView
+
+if TYPE_CHECKING:
+    from loractld.adapters import AdapterRef, AdapterResolver
+    from loractld.basemodel import BaseModel
+    from loractld.engine import Engine
+    from loractld.pulls import Puller, PullEvent
+    from loractld.store import Store, StoredAdapter
+    from loractld.tiers import EngineState, Tiers
+
+_log = logging.getLogger("loractld.core")
+_audit = logging.getLogger("loractld.audit")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Catalog:
+    """The disk side, available once the base model is known (before the engine is up)."""
+
+    store: Store
+    resolver: AdapterResolver
+    puller: Puller
+    base_model: BaseModel
+
+
+@dataclass
+class GenerationRequest:
+    """One completion. Exactly one of ``prompt`` (tokenized as is), ``prompt_token_ids`` or
+    ``messages`` (rendered with the model's chat template)."""
+
+    prompt: str = ""
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    lora: str = ""                  # a store name, or an absolute adapter folder; "" is the base model
+    # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
+    sampling: Sampling = field(default_factory=Sampling)
+    allow_folders: bool = True      # False for network clients: they may name stored adapters only
+
+
+@dataclass
+class Prepared:
+    """A checked, tokenized request, ready for :meth:`Core.run`."""
+
+    engine: Engine
+    adapter: AdapterRef | None
+    name: str | None                # the store name, when the adapter came from the store
+    prompt_ids: list[int]
+    sampling: Sampling
+
+
+class UnknownModel(AdapterNotFound):
+    """A name that is neither the base model nor a stored adapter; ``close_matches`` may help."""
+
+    def __init__(self, name: str, close_matches: list[str]) -> None:
+        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? " if close_matches else "") + \
+            f"Pull it first: loractl pull REF --name {name} (loractl ls lists the store)."
+        super().__init__(f"no adapter named {name!r} in the store", hint)
+        self.name = name
+        self.close_matches = close_matches
+
+
+@contextlib.asynccontextmanager
+async def audited(principal: str, operation: str, target: str):
+    """One audit line per state-changing call, whichever door it came through, with its outcome."""
+    outcome = "error"  # anything but a clean exit is an error
+    try:
+        yield
+        outcome = "ok"
+    except PermissionDenied:
+        outcome = "denied"
+        raise
+    except LoractlError as e:
+        outcome = f"error: {e.kind}"
+        raise
+    finally:
+        _audit.info("audit %s op=%s target=%s result=%s", principal, operation, target, outcome)
+
+
+class Core:
+    def __init__(self, *, socket_path: str, home: str, served_model_name: str = "") -> None:
+        self.socket_path = socket_path
+        self.home = home
+        self.served_model_name = served_model_name
+        self.http_url = ""          # set by the HTTP front end once it listens
+        self.catalog: Catalog | None = None
+        self.catalog_ready = asyncio.Event()
+        self.engine: Engine | None = None
+        self.tiers: Tiers | None = None
+        self.engine_ready = asyncio.Event()
+        self.events = EventBus()
+        self.metrics = Metrics()
+        self.startup_error: LoractlError | None = None
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.draining = False
+        self.engine_died = False
+        self._inflight: set[asyncio.Task] = set()
+        self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
+        self._paths_in_use: collections.Counter[str] = collections.Counter()
+        self._retired: set[str] = set()  # replaced or removed revisions' folders, deleted once unused
+
+    # -- lifecycle, driven by loractld.server ------------------------------------------
+    def set_catalog(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.catalog_ready.set()
+
+    def set_engine(self, engine: Engine, tiers: Tiers) -> None:
+        self.engine = engine
+        self.tiers = tiers
+        self.engine_ready.set()
+
+    def set_failed(self, error: LoractlError) -> None:
+        self.startup_error = error
+        self.catalog_ready.set()
+        self.engine_ready.set()
+
+    @property
+    def ready(self) -> bool:
+        engine = self.engine
+        return engine is not None and not self.draining and not engine.errored and not self.engine_died
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generations and pulls running now."""
+        return len(self._inflight)
+
+    async def drain(self, grace_seconds: float) -> int:
+        """Refuse new work, wait up to ``grace_seconds``, cancel the rest; return how many."""
+        self.draining = True
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=grace_seconds)
+        leftover = [t for t in self._inflight if not t.done()]
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            await asyncio.wait(leftover, timeout=5)
+        return len(leftover)
+
+    async def _ready(self, event: asyncio.Event) -> None:
+        if self.draining:
+            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        await event.wait()
+        if self.startup_error is not None:
+            raise self.startup_error
+
+    async def _wait_engine(self) -> tuple[Engine, Tiers]:
+        await self._ready(self.engine_ready)
+        assert self.engine is not None and self.tiers is not None
+        self._refuse_if_engine_dead(self.engine)
+        return self.engine, self.tiers
+
+    def _refuse_if_engine_dead(self, engine: Engine) -> None:
+        """A dead engine is an answer of its own (clients stop waiting), not an internal error."""
+        if self.engine_died or engine.errored:
+            raise _engine_died()
+
+    async def _wait_catalog(self) -> Catalog:
+        await self._ready(self.catalog_ready)
+        assert self.catalog is not None
+        return self.catalog
+
+    @contextlib.contextmanager
+    def _tracked(self, cancel_message: str):
+        """Run the body as in-flight work of the current task: drained on shutdown, and a
+        cancellation by the drain surfaces as ``Cancelled`` (a client going away stays a
+        plain cancellation)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            raise Cancelled(cancel_message, "Start the daemon again and rerun the command.") from None
+        finally:
+            self._inflight.discard(task)
+
+    # -- status ---------------------------------------------------------------------------
+    async def status(self) -> StatusView:
+        engine, tiers, catalog = self.engine, self.tiers, self.catalog
+        config, capacity = EngineConfigView(), CapacityView()
+        if engine is not None:
+            s = engine.settings
+            config = EngineConfigView(model=s.model, device=engine.device, dtype=engine.dtype, max_loras=s.max_loras,
+                                      max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
+                                      max_model_len=engine.max_model_len, vllm_version=engine.vllm_version)
+        if engine is not None and tiers is not None and catalog is not None:
+            self._refuse_if_engine_dead(engine)
+            try:
+                state = await tiers.sync()
+            except Exception as e:
+                # vLLM's EngineDeadError (not imported here) can come before its monitor flags
+                # the engine as errored.
+                if type(e).__name__ == "EngineDeadError" or engine.errored:
+                    raise _engine_died() from e
+                raise
+            stored = await asyncio.to_thread(catalog.store.list)
+            capacity = CapacityView(
+                device_slots=state.device_capacity, device_used=len(state.device), host_slots=state.host_capacity,
+                host_used=len(state.host), pins=len(tiers.pinned_names()), max_pins=tiers.max_pins,
+                max_lora_rank=engine.settings.max_lora_rank, disk_adapters=len(stored),
+                disk_bytes=sum(a.size_bytes for a in stored))
+        return StatusView(version=__version__, pid=os.getpid(), socket=self.socket_path, home=self.home,
+                          ready=self.ready, uptime_s=time.monotonic() - self.started,
+                          engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
+                          requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url)
+
+    # -- generation -----------------------------------------------------------------------
+    def base_model_names(self) -> set[str]:
+        """Every name that means the base model: the served name, --model, its folder and ids."""
+        names = {self.served_model_name} if self.served_model_name else set()
+        if self.catalog is not None:
+            names |= self.catalog.base_model.names | {self.catalog.base_model.model}
+        return names
+
+    async def sampling_defaults(self) -> dict:
+        """The model's own defaults for sampling parameters a request leaves out."""
+        engine, _ = await self._wait_engine()
+        return engine.generation_defaults()
+
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        """Everything that can refuse a request before the engine sees it: the adapter, the
+        messages, the prompt's tokens against the context, the sampling parameters."""
+        engine, _ = await self._wait_engine()
+        catalog = await self._wait_catalog()
+        given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
+        if sum(given) != 1:
+            raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
+        adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
+        name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidRequest("no messages", "Send at least one message.")
+            for m in request.messages:
+                if m["role"] not in ROLES:
+                    raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
+            prompt_ids = await engine.render_chat(request.messages)
+        elif request.prompt_token_ids is not None:
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            prompt_ids = await engine.encode(request.prompt)
+        return Prepared(engine, adapter, name, prompt_ids, fitted(request.sampling, len(prompt_ids), engine))
+
+    async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine."""
+        catalog, tiers, adapter, name = self.catalog, self.tiers, prepared.adapter, prepared.name
+        assert catalog is not None and tiers is not None
+        if self.draining:
+            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        tiers.note_request(name or (adapter.label if adapter else ""))
+        if name:
+            self._serving[name] += 1
+        if adapter:
+            self._paths_in_use[str(adapter.path)] += 1
+            tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
+        try:
+            with self._tracked("the daemon is shutting down; the generation was stopped"):
+                async with contextlib.aclosing(prepared.engine.generate(
+                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+        finally:
+            if name:
+                self._serving[name] -= 1
+            if adapter:
+                path = str(adapter.path)
+                self._paths_in_use[path] -= 1
+                if path in self._retired and not self._paths_in_use[path]:
+                    await self._collect_garbage(catalog)
+                tiers.note_activity()
+
+    def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
+        if os.path.isabs(lora) and not allow_folders:
+            raise UnknownModel(lora, [])  # a network client never names the daemon's folders
+        try:
+            return catalog.resolver.resolve(lora)
+        except (AdapterNotFound, InvalidRequest) as e:
+            if os.path.isabs(lora) or (isinstance(e, InvalidRequest) and allow_folders):
+                raise  # a missing folder, or a malformed name typed at the CLI: its own message
+            raise UnknownModel(lora, self.close_matches(lora)) from e
+
+    def close_matches(self, name: str) -> list[str]:
+        """Names the user may have meant; reads the store, so only on the error path."""
+        stored = {a.name for a in self.catalog.store.list()} if self.catalog is not None else set()
+        known = sorted(stored | ({self.served_model_name} if self.served_model_name else set()))
+        by_lower = {k.lower(): k for k in known}
+        matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)
+        return [by_lower[m] for m in matches]
+
+    # -- the disk tier --------------------------------------------------------------------
+    async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
+                   token: str | None = None, endpoint: str | None = None) -> AsyncIterator[PullEvent]:
+        catalog = await self._wait_catalog()
+        if not ref:
+            raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
+        with self._tracked("the daemon is shutting down; the pull was stopped (nothing was installed)"):
+            async with contextlib.aclosing(catalog.puller.pull(ref, name=name, revision=revision, force=force,
+                                                               token=token, endpoint=endpoint)) as events:
+                async for event in events:
+                    if event.adapter is not None:
+                        _log.info("pull %s: %s", event.stage, event.message)
+                    if event.stage == "done":
+                        self.events.publish(Event("DOWNLOADED_TO_DISK", event.adapter.name, message=event.message))
+                        await self._replaced(catalog, event.adapter.name, event.previous)
+                    yield event
+
+    async def list_adapters(self) -> list[AdapterView]:
+        catalog = await self._wait_catalog()
+        adapters = await asyncio.to_thread(catalog.store.list)
+        state = await self.tiers.sync() if self.tiers else None
+        return [self._described(catalog, a, state) for a in adapters]
+
+    async def show(self, name: str) -> AdapterView:
+        catalog = await self._wait_catalog()
+        adapter = await asyncio.to_thread(catalog.store.get, name)
+        state = await self.tiers.sync() if self.tiers else None
+        return self._described(catalog, adapter, state)
+
+    async def remove(self, name: str, *, force: bool = False) -> RemovedView:
+        catalog = await self._wait_catalog()
+        catalog.store.get(name)  # AdapterNotFound before anything else
+        if self._serving[name] > 0:
+            raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",
+                                 "Wait for them to finish, then remove it.")
+        _, tiers = await self._wait_engine()
+        if name in tiers.pinned_names() and not force:
+            raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
+                                 "or remove it anyway with --force.")
+        unloaded = False
+        ref = self._resolve_quietly(catalog, name)
+        # The name goes first, so no new request resolves it; the folder stays while a request
+        # that resolved it earlier is still in the engine: vLLM reloads an evicted adapter from
+        # disk mid-request, and a missing folder kills the engine core (found by bench/soak.py).
+        removed = await asyncio.to_thread(catalog.store.remove, name, keep_object=True)
+        if ref is not None:
+            unloaded = await tiers.forget(name, ref)
+        if not removed.hand_placed:
+            if self._paths_in_use[str(removed.path)]:
+                self._retired.add(str(removed.path))
+            else:
+                await self._collect_garbage(catalog)
+        self.events.publish(Event("DELETED_FROM_DISK", name))
+        _log.info("removed %s (%s)", name, removed.path)
+        return RemovedView(AdapterView.of(removed), unloaded)
+
+    # -- the engine tiers -----------------------------------------------------------------
+    async def load(self, name: str, to: str = "device") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.load(name, to or "device"))
+
+    async def evict(self, name: str, source: str = "device") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.evict(name, source or "device"))
+
+    async def pin(self, name: str) -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.pin(name))
+
+    async def unpin(self, name: str) -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.unpin(name))
+
+    async def _tier_op(self, name: str, op) -> AdapterView:
+        catalog = await self._wait_catalog()
+        _, tiers = await self._wait_engine()
+        self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
+        await op(tiers)
+        adapter = await asyncio.to_thread(catalog.store.get, name)
+        return self._described(catalog, adapter, tiers.last_state)
+
+    # -- watching -------------------------------------------------------------------------
+    async def watch_events(self) -> AsyncIterator[Event]:
+        """Lifecycle events as they happen, until the daemon drains."""
+        queue = self.events.subscribe()
+        try:
+            while not self.draining:
+                yield await queue.get()
+        finally:
+            self.events.unsubscribe(queue)
+
+    async def metrics_text(self) -> str:
+        """Prometheus text: the tiers' counters and gauges, the disk tier, then vLLM's own."""
+        if self.engine is not None:
+            # Read before the tier sync below, which can wait for engine steps.
+            self.metrics.set("loractl_engine_requests", (), self.engine.unfinished_requests())
+        if self.tiers is not None:
+            await self.tiers.sync()
+        if self.catalog is not None:
+            stored = await asyncio.to_thread(self.catalog.store.list)
+            self.metrics.set("loractl_tier_bytes", (("tier", "disk"),), sum(a.size_bytes for a in stored))
+            self.metrics.set("loractl_tier_adapters", (("tier", "disk"),), len(stored))
+        return self.metrics.render() + (self.engine.prometheus_text() if self.engine is not None else "")
+
+    # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_quietly(catalog: Catalog, name: str) -> AdapterRef | None:
+        try:
+            return catalog.resolver.resolve(name)
+        except LoractlError:
+            return None
+
+    async def _replaced(self, catalog: Catalog, name: str, previous: StoredAdapter | None) -> None:
+        """After a new revision of ``name`` is installed: move its pin over, drop the old
+        revision from the engine unless a running request still uses it, delete its folder
+        once nothing uses it."""
+        from loractld.store import files_digest
+
+        if previous is not None and self.tiers is not None and self.engine is not None:
+            old_id = catalog.resolver.id_for(files_digest(previous.manifest["files"]))
+            if name in self.tiers.pinned_names():
+                await self.engine.unpin_adapter(old_id)
+                await self.tiers.pin(name, reason="new revision")
+            if not self._paths_in_use[str(previous.path)]:
+                await self.engine.remove_adapter(old_id)
+        if previous is not None:
+            self._retired.add(str(previous.path))
+        await self._collect_garbage(catalog)
+
+    async def _collect_garbage(self, catalog: Catalog) -> None:
+        keep = {path for path, count in self._paths_in_use.items() if count > 0}
+        await asyncio.to_thread(catalog.store.collect_garbage, keep)
+        self._retired &= keep
+
+    def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None) -> AdapterView:
+        view = AdapterView.of(adapter)
+        try:
+            ref = catalog.resolver.resolve(adapter.name)
+        except LoractlError as e:
+            view.state, view.error = "failed", f"{e.message} ({e.hint})"
+            return view
+        if state is not None:
+            residency = state.residency(ref.engine_id)
+            view.tier, view.pinned, view.slot = residency.tier, residency.pinned, residency.slot
+            view.host_bytes = residency.host_bytes
+        if self.tiers is not None:
+            usage = self.tiers.usage.get(adapter.name)
+            if usage is not None:
+                view.requests, view.last_used = usage.requests, usage.last_used
+                if usage.state != "ready":
+                    view.state, view.error = usage.state, usage.error
+        return view
+
+
+def fitted(sampling: Sampling, prompt_tokens: int, engine: Engine) -> Sampling:
+    """``sampling`` checked, with max_tokens None filled with what the context leaves."""
+    if sampling.max_tokens is None:
+        room = engine.max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) fills the context of "
+                                 f"{engine.max_model_len} tokens", "Shorten the prompt.")
+        limit = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
+        sampling = dataclasses.replace(sampling, max_tokens=limit)
+    if sampling.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+    if sampling.min_tokens < 0 or sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {sampling.min_tokens}")
+    if sampling.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+    return sampling
+
+
+def _engine_died() -> EngineUnavailable:
+    return EngineUnavailable("the engine died; the daemon is restarting",
+                             "Retry in a moment; if it persists, see the daemon's log.")

@@ -1,0 +1,100 @@
+"""What the core answers with: plain data, the same whichever front end asked.
+
+The field names are the wire protocol's (``loractl/v1/loractl.proto``), so the gRPC servicer
+copies them field for field and the HTTP app renders them as JSON; a field added here and in
+the .proto reaches both doors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loractld.store import StoredAdapter
+
+
+@dataclass
+class AdapterView:
+    """One stored adapter: its manifest, and its residency as the engine last reported it."""
+
+    name: str
+    source: str = ""
+    ref: str = ""
+    revision: str = ""
+    base_model: str = ""
+    rank: int = 0
+    alpha: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    size_bytes: int = 0
+    pulled_at: float = 0.0
+    files: list[dict] = field(default_factory=list)    # {"name", "size", "sha256"}
+    path: str = ""
+    hand_placed: bool = False
+    state: str = "ready"        # ready, loading, failed (see error)
+    error: str = ""
+    tier: str = "disk"          # device, host or disk: what the engine really holds
+    pinned: bool = False
+    slot: int = -1
+    last_used: float = 0.0
+    requests: int = 0
+    host_bytes: int = 0
+
+    @classmethod
+    def of(cls, adapter: StoredAdapter) -> AdapterView:
+        m = adapter.manifest
+        targets = m.get("target_modules") or []
+        return cls(
+            name=adapter.name, source=m.get("source", ""), ref=m.get("ref", ""), revision=m.get("revision", ""),
+            base_model=m.get("base_model") or "", rank=int(m.get("rank") or 0), alpha=float(m.get("alpha") or 0),
+            target_modules=targets if isinstance(targets, list) else [str(targets)],
+            size_bytes=adapter.size_bytes, pulled_at=float(m.get("pulled_at") or 0),
+            files=[{"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in m.get("files", [])],
+            path=str(adapter.path), hand_placed=adapter.hand_placed,
+        )
+
+
+@dataclass
+class EngineConfigView:
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    max_loras: int = 0
+    max_cpu_loras: int = 0
+    max_lora_rank: int = 0
+    max_model_len: int = 0
+    vllm_version: str = ""
+
+
+@dataclass
+class CapacityView:
+    device_slots: int = 0
+    device_used: int = 0
+    host_slots: int = 0
+    host_used: int = 0
+    pins: int = 0
+    max_pins: int = 0
+    max_lora_rank: int = 0
+    disk_adapters: int = 0
+    disk_bytes: int = 0
+
+
+@dataclass
+class StatusView:
+    version: str
+    pid: int
+    socket: str
+    home: str
+    ready: bool
+    uptime_s: float
+    engine_start_s: float
+    engine: EngineConfigView
+    requests_in_flight: int
+    capacity: CapacityView
+    http: str = ""              # the HTTP API's base URL, when it is on
+
+
+@dataclass
+class RemovedView:
+    adapter: AdapterView
+    unloaded: bool
