@@ -301,6 +301,8 @@ def test_bad_bodies_and_routes(api):
     chunked = httpx.post(api.url + "/v1/completions", content=iter([b'{"prompt": "'] + [b"x" * (1 << 20)] * 5),
                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=30)
     assert "larger than" in error_of(chunked, 413)["message"]  # no Content-Length to go by: counted
+    for empty in ("", [], [[1, 2], []]):
+        assert error_of(api.post("/v1/completions", {"model": "tiny", "prompt": empty}), 400)["param"] == "prompt"
     out_of_vocab = api.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 10 ** 6]})
     assert "refused" in error_of(out_of_vocab, 400)["message"]
     assert error_of(api.get("/v1/nothing"), 404)["code"] == "not_found"

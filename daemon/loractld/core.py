@@ -113,6 +113,9 @@ async def audited(principal: str, operation: str, target: str):
 
 
 class Core:
+    """The daemon's state (catalog, engine, tiers, events, metrics, work in flight) and its
+    operations; the front ends hold no state of their own beyond their connections."""
+
     def __init__(self, *, socket_path: str, home: str, served_model_name: str = "") -> None:
         self.socket_path = socket_path
         self.home = home

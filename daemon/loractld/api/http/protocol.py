@@ -100,14 +100,16 @@ class CompletionRequest(_Generation):
         return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: text, or token ids."""
+        """One entry per prompt: text, or token ids; none of them empty."""
         if isinstance(self.prompt, str):
-            return [self.prompt]
-        if self.prompt and all(isinstance(p, int) for p in self.prompt):
-            return [list(self.prompt)]
-        if not self.prompt:
+            prompts = [self.prompt]
+        elif self.prompt and all(isinstance(p, int) for p in self.prompt):
+            prompts = [list(self.prompt)]
+        else:
+            prompts = list(self.prompt)
+        if not prompts or not all(prompts):
             raise HttpError(400, "prompt is empty", "Send a prompt.", param="prompt", code="invalid_value")
-        return list(self.prompt)
+        return prompts
 
 
 class LoadLoraAdapterRequest(_Strict):
