@@ -52,6 +52,10 @@ def test_demo_starts_with_only_model_and_status_shows_the_values_in_force(real_d
     assert status["ready"]
     # SmolLM2's own context is 8192, and the CPU's default KV cache is sized to hold it.
     assert status["engine"]["max_model_len"] == 8192, status
+    assert int(status["engine"]["kv_cache_bytes"]) == 2 * 30 * 3 * 64 * 4 * (8192 + 256)  # 389 MB, float32
+    assert status["engine"]["max_num_seqs"] == 128
+    human = run_cli("status", "--socket", str(real_daemon.socket)).stdout
+    assert "389.3 MB, up to 128 sequences a step" in human, human
     assert "CPU defaults: KV cache 371 MiB: 8192 tokens of context" in real_daemon.log.read_text()
     converted = json.loads((Path(status["engine"]["model"]) / "loractl-gguf.json").read_text())
     assert converted["tensor_types"] == ["F32", "Q4_1", "Q8_0"]

@@ -223,7 +223,8 @@ class Core:
             s = engine.settings
             config = EngineConfigView(model=s.model, device=engine.device, dtype=engine.dtype, max_loras=s.max_loras,
                                       max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
-                                      max_model_len=engine.max_model_len, vllm_version=engine.vllm_version)
+                                      max_model_len=engine.max_model_len, vllm_version=engine.vllm_version,
+                                      kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs)
         if engine is not None and tiers is not None and catalog is not None:
             self._refuse_if_engine_dead(engine)
             try:

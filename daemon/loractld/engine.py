@@ -133,6 +133,7 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.start_seconds = start_seconds
+        self.kv_cache_bytes: int | None = settings.kv_cache_bytes  # as sized at start (None: by vLLM)
         self._tokenizer = llm.get_tokenizer()
         # Rendering a chat template and tokenizing take milliseconds of pure Python/Rust work;
         # on the event loop they would stall every stream the daemon serves. One thread, as
@@ -198,6 +199,7 @@ class Engine:
                 "Check the model path and the flags; LORACTL_DEBUG=1 shows the traceback.",
             ) from e
         engine = cls(llm, settings, device, dtype, time.monotonic() - began)
+        engine.kv_cache_bytes = kv_bytes
         _log.info("engine up in %.1f s (vllm %s, %s, %s); context %d tokens%s, up to %d sequences a step",
                   engine.start_seconds, engine.vllm_version, device, dtype, engine.max_model_len,
                   "" if settings.max_model_len else " (the model's own, fitted to the KV cache)", engine.max_num_seqs)

@@ -64,6 +64,8 @@ class EngineConfigView:
     max_lora_rank: int = 0
     max_model_len: int = 0
     vllm_version: str = ""
+    kv_cache_bytes: int = 0
+    max_num_seqs: int = 0
 
 
 @dataclass
