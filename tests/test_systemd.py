@@ -149,7 +149,7 @@ def test_http_socket_activation_and_sigterm_mid_stream(home, reference):
 
     short = Path(tempfile.mkdtemp(prefix="lct-sh-", dir="/tmp"))
     model = short / "model"
-    shutil.copytree(home / "demo" / "model", model)
+    shutil.copytree(home / "tiny" / "model", model)
     generation = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**generation, "do_sample": True, "top_k": 1}))
     sock, port = short / "act.sock", _free_port()
@@ -205,7 +205,7 @@ def test_a_passed_tcp_socket_beyond_loopback_needs_an_api_key(home):
     short = Path(tempfile.mkdtemp(prefix="lct-sk-", dir="/tmp"))
     port = _free_port()
     proc = subprocess.Popen(
-        ["systemd-socket-activate", "-l", f"0.0.0.0:{port}", *ACTIVATE_ENV, str(BIN / "loractld"), "--model", "demo",
+        ["systemd-socket-activate", "-l", f"0.0.0.0:{port}", *ACTIVATE_ENV, str(BIN / "loractld"), "--model", "tiny",
          "--home", str(home), "--socket", str(short / "s.sock"), *ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
