@@ -25,51 +25,39 @@ def _wait_gone(pids: list[int], timeout: float = 15) -> list[int]:
     return alive
 
 
-def test_sigkill_of_the_daemon_pid_alone_takes_the_engine_with_it(home):
+def test_the_engine_dies_with_its_daemon_and_a_start_clears_a_recorded_orphan(home):
     sub = home / "orphans"
     sub.mkdir(exist_ok=True)
     (sub / "tiny").exists() or (sub / "tiny").symlink_to(home / "tiny")
     d = start_daemon(sub, name="o")
     engine = psutil.Process(d.proc.pid).children(recursive=True)
     assert engine, "vLLM's engine core runs in a child process"
-    recorded = json.loads((sub / "state" / "engine.json").read_text())
-    assert {p["pid"] for p in recorded["processes"]} == {p.pid for p in engine}
+    record = sub / "state" / "engine.json"
+    assert {p["pid"] for p in json.loads(record.read_text())["processes"]} == {p.pid for p in engine}
     os.kill(d.proc.pid, signal.SIGKILL)  # the PID only: its process group lives on
     d.proc.wait(30)
     assert _wait_gone([p.pid for p in engine]) == [], "the engine outlived its daemon"
+    assert record.exists(), "nothing ran to remove the record"
 
-    # The record is left behind (nothing ran to remove it); the next start reads it, finds
-    # nothing of it alive, and starts normally.
-    d2 = start_daemon(sub, name="o")
-    try:
-        assert "left running by a daemon that died" not in d2.log.read_text()
-    finally:
-        assert d2.stop() == 0
-    assert not (sub / "state" / "engine.json").exists(), "a clean stop removes the record"
-
-
-def test_a_start_kills_an_engine_a_dead_daemon_left_running(home, tmp_path):
-    sub = home / "orphans2"
-    sub.mkdir(exist_ok=True)
-    (sub / "tiny").exists() or (sub / "tiny").symlink_to(home / "tiny")
-    # An orphan as an old loractld (without the parent-death signal) would leave it.
+    # An orphan as an older loractld (without the parent-death signal) would leave it, named by
+    # the record; and a recorded pid whose start time differs: reused by another process.
     orphan = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 300"], start_new_session=True)
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         time.sleep(0.2)
-        (sub / "state").mkdir(exist_ok=True)
-        (sub / "state" / "engine.json").write_text(json.dumps({"daemon_pid": 999999999, "processes": [
+        record.write_text(json.dumps({"daemon_pid": d.proc.pid, "processes": [
             {"pid": orphan.pid, "create_time": psutil.Process(orphan.pid).create_time(), "name": "VLLM::EngineCore"},
-            # a recorded pid whose start time does not match: reused by another process, never killed
             {"pid": bystander.pid, "create_time": 1.0, "name": "VLLM::EngineCore"},
         ]}))
-        d = start_daemon(sub, name="o2")
+        d2 = start_daemon(sub, name="o")
         try:
             assert orphan.wait(10) == -signal.SIGKILL
             assert bystander.poll() is None
-            assert f"killed 1 engine process(es) left running by a daemon that died: pid {orphan.pid}" in d.log.read_text()
+            assert (f"killed 1 engine process(es) left running by a daemon that died: pid {orphan.pid}"
+                    in d2.log.read_text())
         finally:
-            d.stop()
+            assert d2.stop() == 0
+        assert not record.exists(), "a clean stop removes the record"
     finally:
         for p in (orphan, bystander):
             if p.poll() is None:
