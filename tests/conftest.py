@@ -95,6 +95,20 @@ def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float 
     raise RuntimeError(f"loractld not ready after {ready_timeout} s:\n{daemon.log_tail()}")
 
 
+def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Daemon:
+    """A daemon of its own under ``home/sub`` (the demo model shared through a link), with these
+    demo adapters pulled under their own names: for modules that pin, remove or fuzz, whose
+    state must not leak into the session daemon's."""
+    root = home / sub
+    root.mkdir(exist_ok=True)
+    (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
+    d = start_daemon(root, name=name)
+    for adapter in adapters:
+        result = run_cli("pull", str(home / "tiny" / "adapters" / adapter), "--name", adapter, "--socket", str(d.socket))
+        assert result.returncode == 0, result.stderr
+    return d
+
+
 async def _status(sock: Path) -> dict:
     async with Client(sock, timeout=5) as client:
         return await client.status()

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from conftest import collect, run_cli, start_daemon
+from conftest import collect, own_daemon, run_cli, start_daemon
 from test_errors import assert_one_error
 from vllm_lru_model import VllmTiers
 
@@ -20,13 +20,7 @@ NAMES = ["sql-expert/v1", "python-expert/v1", "poet/v1", "translator/v1"]
 @pytest.fixture(scope="module")
 def tiered(home):
     """A daemon of its own: pins persist, so this module must not share state with others."""
-    sub = home / "tiers"
-    sub.mkdir(exist_ok=True)
-    (sub / "tiny").symlink_to(home / "tiny")
-    d = start_daemon(sub, name="t")
-    for name in NAMES:
-        result = run_cli("pull", str(home / "tiny" / "adapters" / name), "--name", name, "--socket", str(d.socket))
-        assert result.returncode == 0, result.stderr
+    d = own_daemon(home, "tiers", NAMES, name="t")
     yield d
     d.stop()
 
