@@ -109,7 +109,16 @@ async def audited(principal: str, operation: str, target: str):
         outcome = f"error: {e.kind}"
         raise
     finally:
-        _audit.info("audit %s op=%s target=%s result=%s", principal, operation, target, outcome)
+        _audit.info("audit %s op=%s target=%s result=%s", principal, operation, _loggable(target), outcome)
+
+
+def _loggable(text: str, limit: int = 200) -> str:
+    """Caller-supplied text for one log line: control characters escaped (a newline in a name
+    must not forge an audit line), and clipped (one request must not write 100 kB of log)."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    escaped = text[:limit].encode("unicode_escape").decode("ascii")
+    return escaped if len(text) <= limit else f"{escaped}...({len(text)} characters)"
 
 
 class Core:

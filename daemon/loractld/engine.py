@@ -115,6 +115,10 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
 def _client_errors() -> tuple[type[Exception], ...]:
     """What vLLM raises for a request it refuses: VLLMClientError (0.32), ValueError before."""
     try:
@@ -272,16 +276,22 @@ class Engine:
             )
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(
             sampling.default_max_tokens or room, room)
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=sampling.min_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            seed=sampling.seed,
-            stop=sampling.stop or None,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=sampling.min_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                seed=sampling.seed,
+                stop=sampling.stop or None,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except _client_errors() as e:
+            # vLLM's own checks of the parameters (an empty stop string, ...; found by
+            # tests/test_fuzz_grpc.py): the request's fault, not an internal error.
+            raise InvalidRequest(f"invalid sampling parameters: {_first_line(e)}",
+                                 "Check max/min tokens, temperature, top-p, top-k, seed and stop.") from e
         lora_request = self._lora_request(adapter) if adapter else None
         request_id = uuid.uuid4().hex
         first = True
@@ -305,8 +315,7 @@ class Engine:
             if first and isinstance(e, _client_errors()):
                 # vLLM's own checks of the request (a token id outside the vocabulary, ...),
                 # made before the first output: the request's fault, not the daemon's.
-                reason = (str(e).strip() or type(e).__name__).splitlines()[0]
-                raise InvalidRequest(f"the engine refused the request: {reason}",
+                raise InvalidRequest(f"the engine refused the request: {_first_line(e)}",
                                      "Check the prompt's tokens and the sampling parameters.") from e
             raise
 

@@ -164,7 +164,19 @@ class HubSource(AdapterSource):
 
     @staticmethod
     def _endpoint(endpoint: str | None) -> str | None:
-        return endpoint or os.environ.get("HF_ENDPOINT") or None
+        chosen = endpoint or os.environ.get("HF_ENDPOINT") or None
+        if chosen is not None:
+            from urllib.parse import urlsplit
+
+            try:
+                parts = urlsplit(chosen)
+                ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+            except ValueError:  # an unclosed [ipv6 bracket, a bad port
+                ok = False
+            if not ok:  # found by tests/test_fuzz_grpc.py: httpx's refusal surfaced as an internal error
+                raise InvalidRequest(f"the Hub endpoint {chosen!r} is not an http(s) URL",
+                                     "Set HF_ENDPOINT to the Hub's base URL, e.g. http://HOST:PORT, or unset it.")
+        return chosen
 
     @staticmethod
     def _token(token: str | None) -> str | bool | None:
@@ -277,7 +289,11 @@ class _hub_errors:
                                     "Check HF_TOKEN: it must be valid and allowed to read this repo.") from exc
         if isinstance(exc, hf.HfHubHTTPError) and status is not None:
             raise SourceUnavailable(f"the Hub answered HTTP {status} for {self.repo}: {exc}") from exc
-        if isinstance(exc, (hf.LocalEntryNotFoundError, hf.HfHubHTTPError, OSError)) or "Connect" in type(exc).__name__:
+        # The HTTP stack's own errors (huggingface_hub 2.x uses httpx2, 1.x httpx, 0.x requests):
+        # a timeout, a reset, a protocol it refuses are all "cannot reach", never internal errors.
+        stack = type(exc).__module__.split(".")[0].rstrip("0123456789")
+        transport = stack in ("httpx", "httpcore", "requests", "urllib3")
+        if isinstance(exc, (hf.LocalEntryNotFoundError, hf.HfHubHTTPError, OSError)) or transport:
             raise SourceUnavailable(f"cannot reach the Hub at {self.endpoint}: {exc}") from exc
         return False
 

@@ -18,9 +18,10 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from google.protobuf.message import DecodeError
 from grpclib.exceptions import GRPCError
 
-from loractl.errors import LoractlError, PermissionDenied, to_wire
+from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
 from loractld.core import GenerationRequest, audited
@@ -74,6 +75,13 @@ def domain_errors(handler):
             await handler(self, stream)
         except LoractlError as e:
             raise GRPCError(e.grpc_status, to_wire(e)) from e
+        except DecodeError as e:
+            # grpclib parses the request inside the handler (stream.recv_message), so bytes that
+            # are no valid message (a wrong wire type, invalid UTF-8 in a string: found by
+            # tests/test_fuzz_grpc.py) arrive here; they are the caller's fault, not ours.
+            error = InvalidRequest(f"malformed {handler.__name__} request: {e}",
+                                   "Send the message loractl/v1/loractl.proto defines (loractl.Client does).")
+            raise GRPCError(error.grpc_status, to_wire(error)) from e
         except (GRPCError, asyncio.CancelledError):
             raise
         except Exception as e:
