@@ -295,7 +295,7 @@ def test_stream_deadline_ends_the_request_in_the_daemon(stub, reference):
         for reply in stub.Generate(LONG, timeout=0.5):
             received += len(reply.token_ids)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # generous: a loaded two-core machine; the point is below
     assert received < 240
     wait_idle(stub)
     next_request_is_right(stub, reference)
@@ -305,4 +305,12 @@ def test_unary_deadline(stub, own):
     with pytest.raises(grpc.RpcError) as caught:
         stub.List(pb.ListRequest(), timeout=1e-4)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert [to_dict(a) for a in stub.List(pb.ListRequest(), timeout=10).adapters] == with_client(own, "list")
+    # The daemon answers the next call normally. Tiers may still settle from the previous test's
+    # requests (the follower reads them within 200 ms), so compare once both reads agree.
+    for _ in range(20):
+        ours = with_client(own, "list")
+        if [to_dict(a) for a in stub.List(pb.ListRequest(), timeout=10).adapters] == ours:
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("grpcio's List never equalled the client's")
