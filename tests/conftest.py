@@ -182,14 +182,6 @@ def _start_real_demo_build() -> subprocess.Popen:
     return _real_demo_build
 
 
-def pytest_collection_modifyitems(session, config, items):
-    # The real demo takes minutes to build on a clean checkout (fetch, convert, train): start it
-    # in the background as soon as a collected test needs it, so it overlaps the tests that
-    # run first instead of adding to the suite's time.
-    if any("real_demo" in getattr(item, "fixturenames", ()) for item in items):
-        _start_real_demo_build()
-
-
 @pytest.fixture(scope="session")
 def real_demo() -> dict:
     """Build (or find) the demo under the cache: {'model': folder, 'adapters': {name: folder}}."""

@@ -388,7 +388,8 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(api, stream):
             assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # headers: every choice has begun
         else:
             _wait_until(lambda: _engine_requests(api) > 0, "the request never reached the engine")
-    _wait_until(lambda: _engine_requests(api) == 0, "the engine still holds the request", timeout=5)
+    # Generous: on a loaded two-core machine the abort reaches the engine between steps.
+    _wait_until(lambda: _engine_requests(api) == 0, "the engine still holds the request", timeout=30)
     produced = _generated_tokens(api) - before
     assert produced < 8 * 240, produced
     # The daemon serves on, and the counter counts what a finished request generates.
