@@ -285,9 +285,11 @@ class Client:
         async with self._errors():
             return to_dict(await self.stub.Evict(request, timeout=self.timeout))
 
-    async def pin(self, name: str) -> dict[str, Any]:
+    async def pin(self, name: str, *, to: str = "host") -> dict[str, Any]:
+        """Pin in host RAM (``to="host"``) or in a device slot (``"device"``: can wait for the
+        adapters running now to hand a slot over); return its residency."""
         async with self._errors():
-            return to_dict(await self.stub.Pin(pb.NameRequest(name=name), timeout=self.timeout))
+            return to_dict(await self.stub.Pin(pb.PinRequest(name=name, to=to), timeout=self.timeout))
 
     async def unpin(self, name: str) -> dict[str, Any]:
         async with self._errors():

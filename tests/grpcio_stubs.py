@@ -30,7 +30,7 @@ RPCS: dict[str, tuple[type, bool]] = {
     "Status": (pb.StatusRequest, False), "Generate": (pb.GenerateRequest, True),
     "Pull": (pb.PullRequest, True), "List": (pb.ListRequest, False), "Show": (pb.ShowRequest, False),
     "Remove": (pb.RemoveRequest, False), "Load": (pb.LoadRequest, False), "Evict": (pb.EvictRequest, False),
-    "Pin": (pb.NameRequest, False), "Unpin": (pb.NameRequest, False), "Events": (pb.EventsRequest, True),
+    "Pin": (pb.PinRequest, False), "Unpin": (pb.NameRequest, False), "Events": (pb.EventsRequest, True),
     "Metrics": (pb.MetricsRequest, False),
 }
 

@@ -193,11 +193,11 @@ def test_plain_table_is_rich_table_or_none(width):
     rng = random.Random(width)
     checked = 0
     for _ in range(60):
-        rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host*", "device"]),
-                 f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
+        rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host", "device"]),
+                 rng.choice(["-", "host", "device"]), f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
                  rng.choice(["-", "5s ago", "12d ago"])) for _ in range(rng.randint(1, 4))]
         states = [rng.choice(["ready", "ready", "failed", "loading"]) for _ in rows]
-        min_widths = (min(40, max(len(r[0]) for r in rows)), 7, 8, 4, 12, 7)
+        min_widths = (min(40, max(len(r[0]) for r in rows)), 7, 6, 8, 4, 12, 7)
         console = Console(file=io.StringIO(), width=width, highlight=False, color_system=None)
         table = Table(box=None, pad_edge=False, header_style="bold")
         for header, min_width in zip(COLUMNS, min_widths):

@@ -37,7 +37,7 @@ def test_registry_publishes_the_lora_schema(daemon, demo):
     lora = instance.metadata()["lora"]
     assert instance.status == "ready" and instance.pid == daemon.proc.pid
     assert lora["enabled"] and lora["max_loras"] == 2 and lora["max_lora_rank"] == 16
-    assert {"name": "reg-poet/v1", "state": "device", "pinned": False} in lora["available_loras"]
+    assert {"name": "reg-poet/v1", "state": "device", "pinned": False, "pinned_to": ""} in lora["available_loras"]
     assert lora["capacity"]["loaded_count"] + lora["capacity"]["available_slots"] == 2
     listed = json.loads(run_cli("instances", "--json", "--home", str(daemon.home)).stdout)
     assert instance.instance_id in {i["instance_id"] for i in listed}

@@ -40,14 +40,25 @@ def cli(d, *args):
 def test_random_sequences_keep_the_listing_true(tiered, home, reference):
     rng = random.Random(20261122)
     model = VllmTiers(device_slots=2, host_slots=3)
-    pins: list[str] = []
+    pins: dict[str, str] = {}    # name -> "host" or "device"
     demo = home / "tiny" / "adapters"
     log = []
-    for step in range(40):
-        op = rng.choice(["load", "load_host", "evict", "evict_host", "pin", "unpin", "request", "request", "rm"])
+    succeeded: set[str] = set()
+
+    def pinned_to(tier: str) -> list[str]:
+        return [n for n, t in pins.items() if t == tier]
+
+    for step in range(48):
+        op = rng.choice(["load", "load_host", "evict", "evict_host", "pin", "pin_device", "unpin", "request",
+                         "request", "rm"])
         name = rng.choice(NAMES)
         log.append((op, name))
-        if op == "load":
+        if op in ("load_host", "evict", "evict_host") and pins.get(name) == "device":
+            args = ("load", name, "--to", "host") if op == "load_host" else \
+                ("evict", name, "--from", "device" if op == "evict" else "host")
+            assert_one_error(run_cli(*args, "--socket", str(tiered.socket)), 2, "is pinned to the device",
+                             f"loractl unpin {name}")
+        elif op == "load":
             cli(tiered, "load", name)
             model.add(name)
         elif op == "load_host":
@@ -57,26 +68,30 @@ def test_random_sequences_keep_the_listing_true(tiered, home, reference):
         elif op in ("evict", "evict_host"):
             result = run_cli("evict", name, "--from", "device" if op == "evict" else "host",
                              "--socket", str(tiered.socket))
-            if name in pins and op == "evict_host":
+            if pins.get(name) == "host" and op == "evict_host":
                 assert_one_error(result, 2, "is pinned in host RAM", f"loractl unpin {name}")
             else:
                 assert result.returncode == 0, result.stderr
                 model.deactivate(name) if op == "evict" else model.remove(name)
-        elif op == "pin":
-            result = run_cli("pin", name, "--socket", str(tiered.socket))
-            if name not in pins and len(pins) >= 1:
-                assert_one_error(result, 2, "at most 1 pins", "--max-cpu-loras")
+        elif op in ("pin", "pin_device"):
+            to = "device" if op == "pin_device" else "host"
+            result = run_cli("pin", name, "--to", to, "--socket", str(tiered.socket))
+            if pins.get(name) != to and len(pinned_to(to)) >= 1:  # at most 3 - 2 host pins, 2 - 1 device pins
+                assert_one_error(result, 2, f"at most 1 {to} pins", "loractl unpin NAME")
             else:
                 assert result.returncode == 0, result.stderr
+                if pins.get(name) == "device":
+                    model.unpin(name)  # device -> host: unpinned in the engine, then pinned again
                 model.add(name)
-                model.pin_host(name)
-                pins = sorted(set(pins) | {name})
+                model.pin_device(name) if to == "device" else model.pin_host(name)
+                pins[name] = to
+                succeeded.add(to)
         elif op == "unpin":
             result = run_cli("unpin", name, "--socket", str(tiered.socket))
             if name in pins:
                 assert result.returncode == 0, result.stderr
                 model.unpin(name)
-                pins.remove(name)
+                del pins[name]
             else:
                 assert_one_error(result, 2, "is not pinned")
         elif op == "request":
@@ -87,19 +102,19 @@ def test_random_sequences_keep_the_listing_true(tiered, home, reference):
         elif op == "rm":
             cli(tiered, "rm", name, "--force")
             model.remove(name)
-            if name in pins:
-                pins.remove(name)
+            pins.pop(name, None)
             assert name not in listing(tiered)
             cli(tiered, "pull", str(demo / name), "--name", name)
 
         listed = listing(tiered)
         for n in NAMES:
             assert listed[n]["tier"] == model.tier(n), (step, n, log)
-            assert listed[n]["pinned"] == (n in pins), (step, n, log)
+            assert (listed[n]["pinned"], listed[n]["pin"]) == (n in pins, pins.get(n, "")), (step, n, log)
         on_device = [n for n in NAMES if listed[n]["tier"] == "device"]
         assert len(on_device) <= 2 and sum(listed[n]["tier"] != "disk" for n in NAMES) <= 3
         slots = sorted(listed[n]["slot"] for n in on_device)
         assert len(set(slots)) == len(slots) and all(0 <= s < 2 for s in slots)
+    assert succeeded == {"host", "device"}, log  # the sequence pinned both ways at least once
     for name in pins:
         cli(tiered, "unpin", name)
 
@@ -249,31 +264,109 @@ def test_a_new_revision_serves_new_requests_while_old_ones_finish(tiered, home, 
     assert after["adapter"] != in_flight["adapter"]  # a new engine identity for the new content
 
 
-def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference):
-    """With one adapter pinned and max_loras=2, a step batching two *other* adapters must
-    not kill the engine (it does with vLLM's own device pin_lora: KeyError in punica's
-    convert_mapping), and every output still equals its reference."""
+@pytest.mark.parametrize("to", ["host", "device"])
+def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference, to):
+    """With one adapter pinned and max_loras=2, concurrent requests for two *other* adapters
+    must not kill the engine (vLLM's own device pin_lora does, unguarded: KeyError in punica's
+    convert_mapping), and every output still equals its reference. With the pin on the device,
+    the admission gate lets one of the two adapters at a time into the engine: the other's
+    requests wait, and ps, status, the events stream and the metrics say so."""
     demo = home / "tiny" / "adapters"
-    cli(tiered, "pin", NAMES[0])
-    n = 24
+    pinned = cli(tiered, "pin", NAMES[0], "--to", to, "--json")
+    assert json.loads(pinned.stdout)["pin"] == to
+    n = 48
     prompt = "Once upon a time"
+    order = (NAMES[1], NAMES[2], NAMES[1], NAMES[2], NAMES[0])
 
     async def go():
         async with tiered.client() as client:
-            return await asyncio.gather(*[
+            received, queued_seen = [], []
+
+            async def follow():
+                async for event in client.events():
+                    received.append(event)
+
+            async def watch():
+                while True:
+                    status = await client.status()
+                    queued_seen.extend(r for r in status["admission"]["requests"] if r["state"] == "queued")
+                    await asyncio.sleep(0.05)
+
+            watchers = [asyncio.create_task(follow()), asyncio.create_task(watch())]
+            await asyncio.sleep(0.3)
+            results = await asyncio.gather(*[
                 collect(client, messages=[{"role": "user", "content": prompt}], lora=name, max_tokens=n,
-                        min_tokens=n, temperature=0.0) for name in (NAMES[1], NAMES[2], NAMES[1], NAMES[2])])
+                        min_tokens=n, temperature=0.0) for name in order])
+            await asyncio.sleep(0.2)
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            return results, received, queued_seen
 
     try:
-        results = asyncio.run(go())
+        results, events, queued_seen = asyncio.run(go())
         ids = reference.chat_ids(prompt)
-        for name, got in zip((NAMES[1], NAMES[2], NAMES[1], NAMES[2]), results):
+        for name, got in zip(order, results):
             assert got["ids"] == reference.greedy(ids, demo / name, n, n)
         listed = listing(tiered)
-        assert listed[NAMES[0]]["pinned"] and listed[NAMES[0]]["tier"] in ("host", "device")
-        assert json.loads(cli(tiered, "status", "--json").stdout)["ready"]
+        assert listed[NAMES[0]]["pinned"] and listed[NAMES[0]]["pin"] == to
+        assert listed[NAMES[0]]["tier"] == "device" if to == "device" else listed[NAMES[0]]["tier"] in ("host", "device")
+        status = json.loads(cli(tiered, "status", "--json").stdout)
+        assert status["ready"] and status["capacity"]["device_pins"] == (to == "device")
+        waited = [e for e in events if e["kind"] == "WAITED_FOR_SLOT"]
+        if to == "device":
+            # One of NAMES[1], NAMES[2] had to wait for the other: one place is the pin's.
+            assert waited and {e["adapter"] for e in waited} <= {NAMES[1], NAMES[2]}
+            assert queued_seen and all(r["position"] >= 1 and r["adapter"] in NAMES[1:3] for r in queued_seen)
+            assert status["admission"]["pinned"] == 1 and status["admission"]["places"] == 2
+            text = cli(tiered, "metrics").stdout
+            assert 'loractl_admission_wait_seconds_count{adapter="' in text
+            assert "loractl_admission_queue_depth" in text
     finally:
         cli(tiered, "unpin", NAMES[0])
+    assert not json.loads(cli(tiered, "status", "--json").stdout)["admission"]["pinned"]
+
+
+def test_ps_lists_requests_running_and_waiting(tiered):
+    """ps shows the requests in flight: with a device pin taking one of two places, a request
+    for a second adapter waits behind the first, at position 1."""
+    cli(tiered, "pin", NAMES[0], "--to", "device")
+
+    async def go():
+        async with tiered.client() as client:
+            async def one(name):
+                return await collect(client, prompt="hi", lora=name, max_tokens=240, min_tokens=240, temperature=0.0)
+
+            long = [asyncio.create_task(one(NAMES[1]))]
+            while not (await client.status())["admission"]["requests"] and not long[0].done():
+                await asyncio.sleep(0.02)
+            long.append(asyncio.create_task(one(NAMES[2])))  # waits until the first ends
+            rows, table = None, None
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                if rows is None:
+                    out = await asyncio.to_thread(run_cli, "ps", "--json", "--socket", str(tiered.socket))
+                    rows = json.loads(out.stdout) if '"queued"' in out.stdout else None
+                if table is None:
+                    out = await asyncio.to_thread(run_cli, "ps", "--socket", str(tiered.socket), env={"COLUMNS": "120"})
+                    table = out.stdout if "queued" in out.stdout else None
+                if rows is not None and table is not None or all(t.done() for t in long):
+                    break
+            await asyncio.gather(*long)
+            return (rows, table) if rows is not None and table is not None else None
+
+    try:
+        seen = asyncio.run(go())
+    finally:
+        cli(tiered, "unpin", NAMES[0])
+    assert seen is not None, "no request was ever seen waiting"
+    rows, table = seen
+    states = sorted((r["adapter"], r["state"], r["position"]) for r in rows)
+    assert len(rows) == 2 and {s[1] for s in states} == {"running", "queued"}
+    queued = next(r for r in rows if r["state"] == "queued")
+    assert queued["position"] == 1 and queued["waited_s"] > 0
+    assert "running" in table and "queued" in table and any(n in table for n in NAMES[1:3])
+    assert run_cli("ps", "--socket", str(tiered.socket)).stdout.strip() == "no requests in flight"
 
 
 def test_every_tier_change_under_thrash_is_reported_in_order(tiered):

@@ -3,7 +3,8 @@
 LRUCacheLoRAModelManager, utils/cache.py LRUCache), used as the oracle for residency.
 
 Host tier: an LRU of ``host_slots``; device tier: an LRU of ``device_slots``; evicting from
-host also leaves the device. loractl pins in the host tier only.
+host also leaves the device. loractl's host pin pins the host tier only; its device pin is
+vLLM's pin_lora (both tiers).
 """
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ class VllmTiers:
     def pin_host(self, x: str) -> None:
         """loractl's pin: host RAM only (vLLM's pin_lora would also pin the device slot)."""
         self.host.pinned.add(x)
+
+    def pin_device(self, x: str) -> None:
+        """vLLM's pin_adapter: pin in host, activate if needed, pin in the device tier."""
+        self.host.pinned.add(x)
+        self.activate(x)
+        self.device.pinned.add(x)
 
     def unpin(self, x: str) -> None:
         self.host.pinned.discard(x)

@@ -10,6 +10,9 @@ Invariants:
 - Nothing on the request path reads the engine's tier state: a generation resolves its adapter
   from the resolver's in-memory index and only marks the tiers busy (``Tiers.note_activity``);
   the tier follower does the reading, off the path.
+- Every generation passes the admission gate (``loractld.admission``) before the engine sees
+  it, and leaves it when it ends however it ends: the engine never holds requests for more
+  distinct adapters than the device slots the pins leave free.
 - While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
   when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
 - An adapter folder a running request may still need (vLLM reloads from disk after an eviction)
@@ -32,9 +35,11 @@ from typing import TYPE_CHECKING
 
 from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied
+from loractld.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.engine import Delta, Sampling
 from loractld.events import Event, EventBus, Metrics
-from loractld.views import AdapterView, CapacityView, EngineConfigView, RemovedView, StatusView
+from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
+                            StatusView)
 
 if TYPE_CHECKING:
     from loractld.adapters import AdapterRef, AdapterResolver
@@ -134,6 +139,7 @@ class Core:
         self.catalog_ready = asyncio.Event()
         self.engine: Engine | None = None
         self.tiers: Tiers | None = None
+        self.gate: Gate | None = None
         self.engine_ready = asyncio.Event()
         self.events = EventBus()
         self.metrics = Metrics()
@@ -155,7 +161,18 @@ class Core:
     def set_engine(self, engine: Engine, tiers: Tiers) -> None:
         self.engine = engine
         self.tiers = tiers
+        self.gate = tiers.gate
         self.engine_ready.set()
+
+    def admitted(self, ticket: Ticket) -> None:
+        """The gate let ``ticket`` into the engine: observe its wait; tell who waited."""
+        if ticket.key is None:
+            return
+        self.metrics.observe("loractl_admission_wait_seconds", (("adapter", ticket.label),), ticket.wait_s,
+                             buckets=WAIT_BUCKETS)
+        if ticket.waited:
+            self.events.publish(Event("WAITED_FOR_SLOT", ticket.label, reason="admission",
+                                      message=f"request {ticket.id} waited {ticket.wait_s:.3f} s for a device slot"))
 
     def set_failed(self, error: LoractlError) -> None:
         self.startup_error = error
@@ -247,13 +264,27 @@ class Core:
             stored = await asyncio.to_thread(catalog.store.list)
             capacity = CapacityView(
                 device_slots=state.device_capacity, device_used=len(state.device), host_slots=state.host_capacity,
-                host_used=len(state.host), pins=len(tiers.pinned_names()), max_pins=tiers.max_pins,
+                host_used=len(state.host), pins=len(tiers.state.pins), max_pins=tiers.max_pins,
+                device_pins=len(tiers.state.device_pins), max_device_pins=tiers.max_device_pins,
                 max_lora_rank=engine.settings.max_lora_rank, disk_adapters=len(stored),
                 disk_bytes=sum(a.size_bytes for a in stored))
         return StatusView(version=__version__, pid=os.getpid(), socket=self.socket_path, home=self.home,
                           ready=self.ready, uptime_s=time.monotonic() - self.started,
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
-                          requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url)
+                          requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url,
+                          admission=self._admission_view())
+
+    def _admission_view(self) -> AdmissionView:
+        gate = self.gate
+        if gate is None:
+            return AdmissionView()
+        now = gate.clock()
+        requests = [RequestView(id=t.id, adapter=t.label, state="running" if t.admitted is not None else "queued",
+                                position=gate.position(t), waited_s=t.wait_s if t.admitted is not None else now - t.arrived,
+                                age_s=now - t.arrived) for t in gate.tickets.values()]
+        return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
+                             active=len(gate.unpinned_active()), queued=len(gate.queue),
+                             max_wait_s=float(getattr(gate.policy, "max_wait_s", 0.0)), requests=requests)
 
     # -- generation -----------------------------------------------------------------------
     def base_model_names(self) -> set[str]:
@@ -303,13 +334,19 @@ class Core:
         if adapter:
             self._paths_in_use[str(adapter.path)] += 1
             tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
+        gate, ticket = self.gate, None
+        assert gate is not None
         try:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
+                ticket = await gate.enter(adapter.engine_id if adapter else None,
+                                          name or (adapter.label if adapter else ""))
                 async with contextlib.aclosing(prepared.engine.generate(
                         prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
                     async for delta in deltas:
                         yield delta
         finally:
+            if ticket is not None:
+                gate.leave(ticket)
             if name:
                 self._serving[name] -= 1
             if adapter:
@@ -400,8 +437,8 @@ class Core:
     async def evict(self, name: str, source: str = "device") -> AdapterView:
         return await self._tier_op(name, lambda tiers: tiers.evict(name, source or "device"))
 
-    async def pin(self, name: str) -> AdapterView:
-        return await self._tier_op(name, lambda tiers: tiers.pin(name))
+    async def pin(self, name: str, to: str = "host") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.pin(name, to or "host"))
 
     async def unpin(self, name: str) -> AdapterView:
         return await self._tier_op(name, lambda tiers: tiers.unpin(name))
@@ -429,6 +466,12 @@ class Core:
         if self.engine is not None:
             # Read before the tier sync below, which can wait for engine steps.
             self.metrics.set("loractl_engine_requests", (), self.engine.unfinished_requests())
+        if self.gate is not None:
+            depth = self.gate.queued_by_adapter()
+            for labels in list(self.metrics.gauges.get("loractl_admission_queue_depth", {})):
+                self.metrics.set("loractl_admission_queue_depth", labels, 0)  # drained since the last read
+            for label, queued in depth.items():
+                self.metrics.set("loractl_admission_queue_depth", (("adapter", label),), queued)
         if self.tiers is not None:
             await self.tiers.sync()
         if self.catalog is not None:
@@ -453,9 +496,7 @@ class Core:
 
         if previous is not None and self.tiers is not None and self.engine is not None:
             old_id = catalog.resolver.id_for(files_digest(previous.manifest["files"]))
-            if name in self.tiers.pinned_names():
-                await self.engine.unpin_adapter(old_id)
-                await self.tiers.pin(name, reason="new revision")
+            await self.tiers.repin(name, old_id)
             if not self._paths_in_use[str(previous.path)]:
                 await self.engine.remove_adapter(old_id)
         if previous is not None:
@@ -476,7 +517,7 @@ class Core:
             return view
         if state is not None:
             residency = state.residency(ref.engine_id)
-            view.tier, view.pinned, view.slot = residency.tier, residency.pinned, residency.slot
+            view.tier, view.pinned, view.slot, view.pin = residency.tier, residency.pinned, residency.slot, residency.pin
             view.host_bytes = residency.host_bytes
         if self.tiers is not None:
             usage = self.tiers.usage.get(adapter.name)

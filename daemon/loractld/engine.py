@@ -329,9 +329,11 @@ class Engine:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
         return bool(await self._llm.add_lora(self._lora_request(adapter)))
 
-    async def pin_adapter(self, engine_id: int) -> bool:
-        """Pin in host RAM (see worker_ext.loractl_pin_host for why not vLLM's pin_lora)."""
-        return bool((await self._llm.collective_rpc("loractl_pin_host", args=(engine_id,)))[0])
+    async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
+        """Pin in host RAM, or (``device``) in host RAM and a device slot: only behind the
+        admission gate's place for it (see worker_ext.loractl_pin_device)."""
+        method = "loractl_pin_device" if device else "loractl_pin_host"
+        return bool((await self._llm.collective_rpc(method, args=(engine_id,)))[0])
 
     async def unpin_adapter(self, engine_id: int) -> bool:
         return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id,)))[0])

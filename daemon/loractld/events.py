@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 _log = logging.getLogger("loractld.events")
 
 KINDS = ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK", "LOADED_TO_HOST", "EVICTED_FROM_HOST", "LOADED_TO_DEVICE",
-         "UNLOADED_FROM_DEVICE", "PINNED", "UNPINNED", "FAILED")
+         "UNLOADED_FROM_DEVICE", "PINNED", "UNPINNED", "FAILED", "WAITED_FOR_SLOT")
+# Events about requests, not about where adapters are: the registry entry need not be rewritten.
+REQUEST_KINDS = ("WAITED_FOR_SLOT",)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class Metrics:
         self.counters: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.gauges: dict[str, dict[tuple, float]] = collections.defaultdict(dict)
         self._hist: dict[tuple, list] = {}
+        self._buckets: dict[str, tuple[float, ...]] = {}
 
     def inc(self, name: str, labels: tuple = (), by: float = 1) -> None:
         self.counters[name][labels] += by
@@ -66,9 +69,11 @@ class Metrics:
     def set(self, name: str, labels: tuple, value: float) -> None:
         self.gauges[name][labels] = value
 
-    def observe(self, name: str, labels: tuple, value: float) -> None:
-        counts, total = self._hist.setdefault((name, labels), [[0] * (len(self.LOAD_BUCKETS) + 1), 0.0])
-        counts[bisect.bisect_left(self.LOAD_BUCKETS, value)] += 1
+    def observe(self, name: str, labels: tuple, value: float, buckets: tuple[float, ...] = LOAD_BUCKETS) -> None:
+        """``buckets``: a histogram's bounds, fixed by its first observation."""
+        bounds = self._buckets.setdefault(name, buckets)
+        counts, total = self._hist.setdefault((name, labels), [[0] * (len(bounds) + 1), 0.0])
+        counts[bisect.bisect_left(bounds, value)] += 1
         self._hist[(name, labels)][1] = total + value
 
     HELP = {
@@ -80,6 +85,9 @@ class Metrics:
         "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
         "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
         "loractl_engine_requests": ("gauge", "Requests the engine holds (waiting or running)."),
+        "loractl_admission_queue_depth": ("gauge", "Requests waiting at the admission gate for a device slot, "
+                                                   "per adapter."),
+        "loractl_admission_wait_seconds": ("histogram", "Time a request waited at the admission gate, per adapter."),
     }
 
     def render(self) -> str:
@@ -96,7 +104,7 @@ class Metrics:
                 if hname != name:
                     continue
                 running = 0
-                for bound, count in zip((*self.LOAD_BUCKETS, float("inf")), counts):
+                for bound, count in zip((*self._buckets[name], float("inf")), counts):
                     running += count
                     le = "+Inf" if bound == float("inf") else f"{bound:g}"
                     lines.append(f"{name}_bucket{_labels(labels + (('le', le),))} {running}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
+from loractld.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
 from loractld.api.http import settings as http_settings
 from loractld.engine import EngineSettings
 from loractld.server import DaemonSettings, serve
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true", help="disable vLLM's prefix cache")
     p.add_argument("--no-cpu-fixes", action="store_true",
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
+    p.add_argument("--admission", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="which waiting adapter gets a freed device slot: 'batching' drains a hot adapter's queue "
+                        "in one batch while bounding every wait (--admission-max-wait), 'first-come' admits in "
+                        f"arrival order (default: {DEFAULT_POLICY})")
+    p.add_argument("--admission-max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="SECONDS",
+                   help="batching: after a request for another adapter waited this long, the adapter holding "
+                        f"a slot longest stops taking new requests and hands it over (default: {DEFAULT_MAX_WAIT_S})")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",
@@ -106,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> DaemonSettings:
     if not args.model:
         raise InvalidRequest("no base model given", "Pass --model PATH_OR_REPO (or 'demo'), or set model in the config file.")
+    if not args.admission_max_wait >= 0:
+        raise InvalidRequest(f"--admission-max-wait must be 0 or more seconds, got {args.admission_max_wait}")
     if args.max_cpu_loras < args.max_loras:
         raise InvalidRequest(
             f"--max-cpu-loras ({args.max_cpu_loras}) is below --max-loras ({args.max_loras})",
@@ -121,7 +131,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
-                          http=http_settings.settings_from(args))
+                          http=http_settings.settings_from(args), admission_policy=args.admission,
+                          admission_max_wait_s=args.admission_max_wait)
 
 
 def _read_template(path: str) -> str:

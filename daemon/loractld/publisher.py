@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from loractl import __version__
 from loractl.registry import InstanceHandle, ServiceRegistry
+from loractld.events import REQUEST_KINDS
 
 if TYPE_CHECKING:
     from loractld.core import Core
@@ -53,7 +54,8 @@ class Publisher:
                 available.append({"name": adapter.name, "state": "failed", "pinned": False})
                 continue
             residency = state.residency(ref.engine_id)
-            available.append({"name": adapter.name, "state": residency.tier, "pinned": residency.pinned})
+            available.append({"name": adapter.name, "state": residency.tier, "pinned": residency.pinned,
+                              "pinned_to": residency.pin})
             if residency.tier == "device":
                 loaded.append(adapter.name)
         settings = engine.settings
@@ -61,7 +63,8 @@ class Publisher:
         data["lora"] = {
             "enabled": True, "max_loras": settings.max_loras, "max_cpu_loras": settings.max_cpu_loras,
             "max_lora_rank": settings.max_lora_rank, "available_loras": available, "loaded_loras": loaded,
-            "capacity": {"loaded_count": len(state.device), "available_slots": settings.max_loras - len(state.device)},
+            "capacity": {"loaded_count": len(state.device), "available_slots": settings.max_loras - len(state.device),
+                         "device_pins": len(state.pinned_device)},
         }
         return data
 
@@ -80,7 +83,8 @@ class Publisher:
         queue = self.core.events.subscribe()
         try:
             while True:
-                await queue.get()
+                if (await queue.get()).kind in REQUEST_KINDS:
+                    continue
                 await asyncio.sleep(0.05)  # coalesce a burst of events into one write
                 while not queue.empty():
                     queue.get_nowait()

@@ -24,6 +24,7 @@ from loractl import paths
 from loractl.errors import LoractlError
 from loractld import enginepid
 from loractld.adapters import AdapterResolver
+from loractld.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
 from loractld.api.grpc_service import LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
@@ -55,6 +56,8 @@ class DaemonSettings:
     socket_group: str | None = None
     served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
     http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
+    admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.admission)
+    admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
 class SocketInUse(LoractlError):
@@ -231,8 +234,11 @@ async def serve(settings: DaemonSettings) -> int:
             exit_code = 1
         else:
             assert core.catalog is not None
+            gate = Gate(settings.engine.max_loras, make_policy(settings.admission_policy,
+                                                               settings.admission_max_wait_s),
+                        on_admit=core.admitted)
             tiers = Tiers(engine, core.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
-                          core.events, core.metrics, max_loras=settings.engine.max_loras,
+                          core.events, core.metrics, gate, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()
             for failure in await tiers.apply_startup(list(settings.preload)):

@@ -12,10 +12,14 @@ parallel cache:
 - nothing on the request path reads the state: a request only marks the tiers as busy, and
   a follower reads at most once per ``follow_interval_s`` while there is activity. At most
   one read is in flight; callers that need a fresh state share the next one (``sync``);
-- a pin keeps an adapter in host RAM, never evicted there (worker_ext.loractl_pin_host says
-  why not a device pin); pins are capped at ``max_cpu_loras - max_loras`` so that every step
-  of up to ``max_loras`` other adapters still finds room in RAM (a host full of pins, or a
-  step that must evict one of its own adapters, kills vLLM's engine);
+- a host pin keeps an adapter in host RAM, never evicted there; host pins are capped at
+  ``max_cpu_loras - max_loras`` so that every step of up to ``max_loras`` adapters still finds
+  room in RAM (a host full of pins, or a step that must evict one of its own adapters, kills
+  vLLM's engine);
+- a device pin keeps an adapter in a device slot (and in RAM) for good. It is safe only
+  because the admission gate (``loractld.admission``) holds the slot: the gate's place is
+  taken before the engine pins, and given back only after the engine unpinned. Device pins
+  are capped at ``max_loras - 1``, so other adapters always have a slot;
 - pins persist (``state.json``) and, with the preload list, are applied before the daemon
   reports ready.
 
@@ -34,6 +38,7 @@ from typing import Protocol
 
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.adapters import AdapterRef, AdapterResolver
+from loractld.admission import Gate
 from loractld.events import Event, EventBus, Metrics
 from loractld.store import write_json_atomic
 
@@ -44,7 +49,7 @@ TIERS = ("device", "host", "disk")
 class TierEngine(Protocol):
     async def lora_state(self, since: int = -1) -> dict: ...
     async def add_adapter(self, adapter: AdapterRef) -> bool: ...
-    async def pin_adapter(self, engine_id: int) -> bool: ...
+    async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool: ...
     async def unpin_adapter(self, engine_id: int) -> bool: ...
     async def deactivate_adapter(self, engine_id: int) -> bool: ...
     async def remove_adapter(self, engine_id: int) -> bool: ...
@@ -56,6 +61,7 @@ class Residency:
     pinned: bool = False
     slot: int = -1
     host_bytes: int = 0
+    pin: str = ""           # "device", "host", or "" (not pinned)
 
 
 @dataclass
@@ -72,6 +78,7 @@ class EngineState:
     device: list[int] = field(default_factory=list)
     slots: list[int | None] = field(default_factory=list)
     pinned: set[int] = field(default_factory=set)
+    pinned_device: set[int] = field(default_factory=set)
     host_bytes: dict[int, int] = field(default_factory=dict)
     host_capacity: int = 0
     device_capacity: int = 0
@@ -80,6 +87,7 @@ class EngineState:
     def from_worker(cls, raw: dict) -> EngineState:
         return cls(host=list(raw.get("host", [])), device=list(raw.get("device", [])),
                    slots=list(raw.get("slots", [])), pinned=set(raw.get("pinned_host", [])),
+                   pinned_device=set(raw.get("pinned_device", [])),
                    host_bytes={int(k): int(v) for k, v in raw.get("host_bytes", {}).items()},
                    host_capacity=int(raw.get("host_capacity", 0)), device_capacity=int(raw.get("device_capacity", 0)))
 
@@ -91,36 +99,56 @@ class EngineState:
         else:
             return Residency()
         slot = self.slots.index(engine_id) if engine_id in self.slots else -1
-        return Residency(tier, engine_id in self.pinned, slot, self.host_bytes.get(engine_id, 0))
+        pin = "device" if engine_id in self.pinned_device else "host" if engine_id in self.pinned else ""
+        return Residency(tier, bool(pin), slot, self.host_bytes.get(engine_id, 0), pin)
 
 
 class PersistentState:
-    """Pins, by adapter name, in ``state.json`` (written atomically)."""
+    """Pins, by adapter name, in ``state.json`` (written atomically): ``pins`` in host RAM (the
+    key older daemons wrote and read), ``device_pins`` in a device slot."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.pins: list[str] = []
+        self.device_pins: list[str] = []
         if path.is_file():
             try:
-                self.pins = list(json.loads(path.read_text()).get("pins", []))
-            except (ValueError, AttributeError) as e:
+                saved = json.loads(path.read_text())
+                self.pins = [str(n) for n in saved.get("pins", [])]
+                self.device_pins = [str(n) for n in saved.get("device_pins", []) if n not in self.pins]
+            except (ValueError, AttributeError, TypeError) as e:
                 _log.warning("ignoring unreadable %s: %s", path, e)
+
+    def pin_of(self, name: str) -> str:
+        return "device" if name in self.device_pins else "host" if name in self.pins else ""
+
+    def set_pin(self, name: str, to: str) -> None:
+        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once."""
+        for pins in (self.pins, self.device_pins):
+            if name in pins:
+                pins.remove(name)
+        if to:
+            (self.device_pins if to == "device" else self.pins).append(name)
+        self.save()
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"pins": self.pins})
+        write_json_atomic(self.path, {"pins": self.pins, "device_pins": self.device_pins})
 
 
 class Tiers:
     def __init__(self, engine: TierEngine, resolver: AdapterResolver, state: PersistentState, events: EventBus,
-                 metrics: Metrics, *, max_loras: int, max_cpu_loras: int, follow_interval_s: float = 0.2) -> None:
+                 metrics: Metrics, gate: Gate, *, max_loras: int, max_cpu_loras: int,
+                 follow_interval_s: float = 0.2) -> None:
         self.engine = engine
         self.resolver = resolver
         self.state = state
         self.events = events
         self.metrics = metrics
+        self.gate = gate
         self.max_loras = max_loras
         self.max_pins = max(0, max_cpu_loras - max_loras)
+        self.max_device_pins = max(0, max_loras - 1)
         self.usage: dict[str, Usage] = {}
         self._last = EngineState()
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
@@ -217,7 +245,11 @@ class Tiers:
         return (await self.sync()).residency(adapter.engine_id)
 
     def pinned_names(self) -> list[str]:
-        return list(self.state.pins)
+        """Every pinned adapter, host and device."""
+        return list(self.state.pins) + list(self.state.device_pins)
+
+    def pin_of(self, name: str) -> str:
+        return self.state.pin_of(name)
 
     # -- usage, from the service ----------------------------------------------------------
     def note_request(self, name: str) -> None:
@@ -231,6 +263,8 @@ class Tiers:
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot load to {to!r}", "Use --to device or --to host.")
         adapter = self.resolver.resolve(name)
+        if to == "host" and self.state.pin_of(name) == "device":
+            raise _pinned_to_device(name, "move it to host RAM")
         async with self._lock:
             usage = self.usage.setdefault(name, Usage())
             usage.state, usage.error = "loading", ""
@@ -260,6 +294,8 @@ class Tiers:
         if source not in ("device", "host"):
             raise InvalidRequest(f"cannot evict from {source!r}", "Use --from device or --from host.")
         adapter = self.resolver.resolve(name)
+        if self.state.pin_of(name) == "device":
+            raise _pinned_to_device(name, "evict it")
         async with self._lock:
             current = (await self.sync()).residency(adapter.engine_id)
             if current.pinned and source == "host":
@@ -275,43 +311,82 @@ class Tiers:
             self._reasons.clear()
             return state.residency(adapter.engine_id)
 
-    async def pin(self, name: str, *, reason: str = "explicit") -> Residency:
+    async def pin(self, name: str, to: str = "host", *, reason: str = "explicit") -> Residency:
+        """Pin ``name`` in host RAM or in a device slot, for good (until unpinned); persisted.
+
+        A device pin first takes a place at the admission gate, which can wait for the
+        adapters now running to finish their requests (new ones queue meanwhile)."""
+        if to not in ("device", "host"):
+            raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
-        limit = self.max_pins
-        if name not in self.state.pins and len(self.state.pins) >= limit:
+        current = self.state.pin_of(name)
+        if to == "host" and current != "host" and len(self.state.pins) >= self.max_pins:
             raise InvalidRequest(
-                f"cannot pin {name!r}: {len(self.state.pins)} of at most {limit} pins are in use "
-                f"(max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
-                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.",
-            )
-        await self.load(name, "device", reason=reason)
+                f"cannot pin {name!r} in host RAM: {len(self.state.pins)} of at most {self.max_pins} host pins are "
+                f"in use (max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
+                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.")
+        if to == "device" and current != "device" and len(self.state.device_pins) >= self.max_device_pins:
+            raise InvalidRequest(
+                f"cannot pin {name!r} to the device: {len(self.state.device_pins)} of at most "
+                f"{self.max_device_pins} device pins are in use (max_loras - 1: other adapters need a slot)",
+                "Unpin one (loractl unpin NAME), pin it --to host, or restart with a larger --max-loras.")
+        if current == "device" and to == "host":
+            await self._unpin_in_engine(adapter.engine_id, "device")
+        if to == "device":
+            await self.gate.reserve(adapter.engine_id)
+        asked_engine = False
+        try:
+            await self.load(name, "device", reason=reason)
+            async with self._lock:
+                asked_engine = True
+                await self.engine.pin_adapter(adapter.engine_id, device=to == "device")
+        except BaseException:
+            if to == "device" and current != "device":  # the place taken above goes back
+                if asked_engine:
+                    await self._unpin_in_engine(adapter.engine_id, "device")
+                else:
+                    self.gate.release(adapter.engine_id)
+            raise
         async with self._lock:
-            await self.engine.pin_adapter(adapter.engine_id)
-            if name not in self.state.pins:
-                self.state.pins.append(name)
-                self.state.save()
-            self.events.publish(Event("PINNED", name, reason=reason))
+            if current != to:
+                self.state.set_pin(name, to)
+            self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
             return (await self.sync()).residency(adapter.engine_id)
 
     async def unpin(self, name: str) -> Residency:
         adapter = self.resolver.resolve(name)
+        current = self.state.pin_of(name)
+        if not current:
+            raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
+        await self._unpin_in_engine(adapter.engine_id, current)
         async with self._lock:
-            if name not in self.state.pins:
-                raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
-            await self.engine.unpin_adapter(adapter.engine_id)
-            self.state.pins.remove(name)
-            self.state.save()
+            self.state.set_pin(name, "")
             self.events.publish(Event("UNPINNED", name))
             return (await self.sync()).residency(adapter.engine_id)
 
+    async def _unpin_in_engine(self, engine_id: int, pin: str) -> None:
+        """Unpin in the engine, then (device pins) give the gate's place back: in that order, or
+        the gate could admit an adapter that the pinned slot leaves no room for."""
+        async with self._lock:
+            await self.engine.unpin_adapter(engine_id)
+        if pin == "device":
+            self.gate.release(engine_id)
+
+    async def repin(self, name: str, old_id: int) -> None:
+        """A new revision of a pinned adapter was installed: move the pin over to it."""
+        to = self.state.pin_of(name)
+        if to:
+            await self._unpin_in_engine(old_id, to)
+            await self.pin(name, to, reason="new revision")
+
     async def forget(self, name: str, adapter: AdapterRef) -> bool:
         """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded."""
+        pin = self.state.pin_of(name)
+        if pin:
+            await self._unpin_in_engine(adapter.engine_id, pin)
+            self.state.set_pin(name, "")
+            self.events.publish(Event("UNPINNED", name, reason="rm"))
         async with self._lock:
-            if name in self.state.pins:
-                await self.engine.unpin_adapter(adapter.engine_id)
-                self.state.pins.remove(name)
-                self.state.save()
-                self.events.publish(Event("UNPINNED", name, reason="rm"))
             for tier in ("host", "device"):
                 self._reasons[(adapter.engine_id, tier)] = "rm"
             removed = await self.engine.remove_adapter(adapter.engine_id)
@@ -327,14 +402,14 @@ class Tiers:
         reported and skipped: it never keeps the daemon from serving the others.
         """
         failures = []
-        for name in list(self.state.pins):
+        for name in self.pinned_names():
             try:
-                await self.pin(name, reason="restart")
+                await self.pin(name, self.state.pin_of(name), reason="restart")
             except LoractlError as e:
                 failures.append(f"pin {name}: {e.message}")
                 self.events.publish(Event("FAILED", name, message=e.message, reason="restart"))
         for name in preload:
-            if name in self.state.pins:
+            if self.state.pin_of(name):
                 continue
             try:
                 await self.load(name, "device", reason="preload")
@@ -342,3 +417,7 @@ class Tiers:
                 failures.append(f"preload {name}: {e.message}")
                 self.events.publish(Event("FAILED", name, message=e.message, reason="preload"))
         return failures
+
+
+def _pinned_to_device(name: str, action: str) -> InvalidRequest:
+    return InvalidRequest(f"{name!r} is pinned to the device", f"To {action}, unpin it first: loractl unpin {name}")

@@ -39,6 +39,7 @@ class AdapterView:
     last_used: float = 0.0
     requests: int = 0
     host_bytes: int = 0
+    pin: str = ""               # device, host, or "" (not pinned)
 
     @classmethod
     def of(cls, adapter: StoredAdapter) -> AdapterView:
@@ -79,6 +80,31 @@ class CapacityView:
     max_lora_rank: int = 0
     disk_adapters: int = 0
     disk_bytes: int = 0
+    device_pins: int = 0
+    max_device_pins: int = 0
+
+
+@dataclass
+class RequestView:
+    """A generation the daemon holds: waiting at the admission gate, or in the engine."""
+
+    id: str
+    adapter: str                # "" for the base model
+    state: str                  # queued or running
+    position: int = 0           # 1-based place in the waiting line; 0 once running
+    waited_s: float = 0.0       # at the gate: so far while queued, in all once running
+    age_s: float = 0.0          # since it arrived
+
+
+@dataclass
+class AdmissionView:
+    policy: str = ""
+    places: int = 0             # device slots (max_loras)
+    pinned: int = 0             # places held by device pins
+    active: int = 0             # places held by unpinned adapters with requests in the engine
+    queued: int = 0
+    max_wait_s: float = 0.0     # the batching policy's bound before an adapter hands its slot over
+    requests: list[RequestView] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +120,7 @@ class StatusView:
     requests_in_flight: int
     capacity: CapacityView
     http: str = ""              # the HTTP API's base URL, when it is on
+    admission: AdmissionView = field(default_factory=AdmissionView)
 
 
 @dataclass

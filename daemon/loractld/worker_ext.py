@@ -122,18 +122,30 @@ def loractl_deactivate(self, lora_id: int) -> bool:
 
 
 def loractl_pin_host(self, lora_id: int) -> bool:
-    """Pin an adapter in host RAM only; False if it is not loaded there.
-
-    Not on the device: vLLM's scheduler admits up to max_loras distinct adapters per step
-    whatever is pinned, so a device slot held by a pin lets a step of max_loras other
-    adapters evict one of its own adapters mid-step and the engine dies (KeyError in
-    punica's convert_mapping; seen with max_loras=2 and one device pin). A host pin keeps
-    the adapter in RAM, one copy away from a slot, and never blocks a step.
-    """
+    """Pin an adapter in host RAM only; False if it is not loaded there. It stays one copy
+    away from a slot, and never takes one from a step."""
     mgr = _manager(self)
     if mgr is None or lora_id not in mgr._registered_adapters:
         return False
     mgr._registered_adapters.pin(lora_id)
+    return True
+
+
+def loractl_pin_device(self, lora_id: int) -> bool:
+    """Pin an adapter in host RAM and in a device slot (vLLM's own pin); False if it is not
+    loaded.
+
+    Safe only behind the daemon's admission gate (loractld.admission): vLLM's scheduler takes
+    up to max_loras distinct adapters into a step whatever is pinned, so with a slot held by
+    a pin, a step of max_loras other adapters evicts one of its own adapters mid-step and the
+    engine dies (KeyError in punica's convert_mapping). The gate never lets the engine hold
+    requests for more adapters than the slots the pins leave free.
+    """
+    mgr = _manager(self)
+    if mgr is None or lora_id not in mgr._registered_adapters:
+        return False
+    mgr.pin_adapter(lora_id)
+    _record(mgr)
     return True
 
 
@@ -150,7 +162,8 @@ def loractl_unpin(self, lora_id: int) -> bool:
     return changed
 
 
-METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_unpin)}
+METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
+                                   loractl_unpin)}
 JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from loractl.cli._output import human_bytes, print_json, short_revision, with_client
 
-COLUMNS = ("NAME", "TIER", "SIZE", "RANK", "REVISION", "USED")
+COLUMNS = ("NAME", "TIER", "PIN", "SIZE", "RANK", "REVISION", "USED")
 # Text rich prints as it is: no markup ([), no emoji codes (:), no wide or control characters.
 _PLAIN_CELL = re.compile(r"[A-Za-z0-9 ._/*+-]*\Z")
 
@@ -27,10 +27,10 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
 
         stderr.print("no adapters yet: loractl pull ORG/REPO")
         return
-    rows = [(a["name"], a["tier"] + ("*" if a["pinned"] else ""), human_bytes(int(a["size_bytes"])), str(a["rank"]),
-             short_revision(a["revision"]), ago(a["last_used"])) for a in adapters]
+    rows = [(a["name"], a["tier"], a.get("pin") or ("host" if a["pinned"] else "-"), human_bytes(int(a["size_bytes"])),
+             str(a["rank"]), short_revision(a["revision"]), ago(a["last_used"])) for a in adapters]
     # Names are what users copy into the next command: they never get cut.
-    min_widths = (min(40, max(len(a["name"]) for a in adapters)), 7, 8, 4, 12, 7)
+    min_widths = (min(40, max(len(a["name"]) for a in adapters)), 7, 6, 8, 4, 12, 7)
     states = [a["state"] for a in adapters]
     text = plain_table(rows, states, min_widths, _plain_width()) if _plain_width() else None
     if text is not None:

@@ -28,7 +28,8 @@ class Tier(str, Enum):
 def describe_residency(a: dict[str, Any]) -> str:
     where = {"device": f"on device (slot {a['slot']})", "host": "in host RAM", "disk": "on disk only"}[a["tier"]]
     extra = f", {human_bytes(int(a['host_bytes']))} in RAM" if int(a["host_bytes"]) else ""
-    return f"{a['name']}: {where}{extra}" + (", pinned" if a["pinned"] else "")
+    pin = a.get("pin") or ("host" if a["pinned"] else "")
+    return f"{a['name']}: {where}{extra}" + ({"device": ", pinned to the device", "host": ", pinned in host RAM"}.get(pin, ""))
 
 
 def _report(result: dict[str, Any], json_output: bool) -> None:
@@ -70,21 +71,28 @@ def evict(name: NameArg,
     _report(with_client(socket, home, lambda c: c.evict(name, source=source.value)), json_output)
 
 
-def pin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
-    """Pin an adapter: loaded now, and never evicted from host RAM; pins survive restarts.
+def pin(name: NameArg,
+        to: Annotated[Tier, typer.Option("--to", help="host: kept in RAM, one copy from a slot; device: kept in a "
+                                                       "device slot, hot.")] = Tier.host,
+        socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
+    """Pin an adapter: loaded now and never evicted; pins survive restarts.
 
-    A pinned adapter is always one memory copy away from a device slot, never a disk read.
-    At most max_cpu_loras - max_loras adapters can be pinned, so RAM keeps room for others.
+    --to host (the default) keeps it in host RAM: one memory copy from a device slot, never a
+    disk read; at most max_cpu_loras - max_loras host pins. --to device keeps it in a device
+    slot for good: no copy at all; at most max_loras - 1 device pins, and the slot is taken
+    from the adapters that run now once their requests finish (new ones wait meanwhile).
 
     Examples:
 
         loractl pin sql-expert/v1
+
+        loractl pin sql-expert/v1 --to device
     """
-    _report(with_client(socket, home, lambda c: c.pin(name)), json_output)
+    _report(with_client(socket, home, lambda c: c.pin(name, to=to.value)), json_output)
 
 
 def unpin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
-    """Unpin an adapter: it stays loaded, but LRU may evict it again.
+    """Unpin an adapter (host or device pin): it stays loaded, but LRU may evict it again.
 
     The pin is also dropped from the daemon's saved state, so it is not restored on restart.
 

@@ -47,7 +47,7 @@ class LoractlBase(abc.ABC):
         pass
 
     @abc.abstractmethod
-    async def Pin(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.NameRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+    async def Pin(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.PinRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
         pass
 
     @abc.abstractmethod
@@ -115,7 +115,7 @@ class LoractlBase(abc.ABC):
             '/loractl.v1.Loractl/Pin': grpclib.const.Handler(
                 self.Pin,
                 grpclib.const.Cardinality.UNARY_UNARY,
-                loractl.v1.loractl_pb2.NameRequest,
+                loractl.v1.loractl_pb2.PinRequest,
                 loractl.v1.loractl_pb2.Adapter,
             ),
             '/loractl.v1.Loractl/Unpin': grpclib.const.Handler(
@@ -193,7 +193,7 @@ class LoractlStub:
         self.Pin = grpclib.client.UnaryUnaryMethod(
             channel,
             '/loractl.v1.Loractl/Pin',
-            loractl.v1.loractl_pb2.NameRequest,
+            loractl.v1.loractl_pb2.PinRequest,
             loractl.v1.loractl_pb2.Adapter,
         )
         self.Unpin = grpclib.client.UnaryUnaryMethod(

@@ -35,7 +35,7 @@ class EngineConfig(_message.Message):
     def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http")
+    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class StatusReply(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HTTP_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     socket: str
@@ -58,10 +59,45 @@ class StatusReply(_message.Message):
     requests_in_flight: int
     capacity: Capacity
     http: str
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ...) -> None: ...
+    admission: Admission
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ...) -> None: ...
+
+class Admission(_message.Message):
+    __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PLACES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    places: int
+    pinned: int
+    active: int
+    queued: int
+    max_wait_s: float
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, policy: _Optional[str] = ..., places: _Optional[int] = ..., pinned: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., max_wait_s: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("id", "adapter", "state", "position", "waited_s", "age_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    adapter: str
+    state: str
+    position: int
+    waited_s: float
+    age_s: float
+    def __init__(self, id: _Optional[str] = ..., adapter: _Optional[str] = ..., state: _Optional[str] = ..., position: _Optional[int] = ..., waited_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("device_slots", "device_used", "host_slots", "host_used", "pins", "max_pins", "max_lora_rank", "disk_adapters", "disk_bytes")
+    __slots__ = ("device_slots", "device_used", "host_slots", "host_used", "pins", "max_pins", "max_lora_rank", "disk_adapters", "disk_bytes", "device_pins", "max_device_pins")
     DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_USED_FIELD_NUMBER: _ClassVar[int]
     HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +107,8 @@ class Capacity(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     DISK_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PINS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEVICE_PINS_FIELD_NUMBER: _ClassVar[int]
     device_slots: int
     device_used: int
     host_slots: int
@@ -80,7 +118,9 @@ class Capacity(_message.Message):
     max_lora_rank: int
     disk_adapters: int
     disk_bytes: int
-    def __init__(self, device_slots: _Optional[int] = ..., device_used: _Optional[int] = ..., host_slots: _Optional[int] = ..., host_used: _Optional[int] = ..., pins: _Optional[int] = ..., max_pins: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., disk_adapters: _Optional[int] = ..., disk_bytes: _Optional[int] = ...) -> None: ...
+    device_pins: int
+    max_device_pins: int
+    def __init__(self, device_slots: _Optional[int] = ..., device_used: _Optional[int] = ..., host_slots: _Optional[int] = ..., host_used: _Optional[int] = ..., pins: _Optional[int] = ..., max_pins: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., disk_adapters: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., device_pins: _Optional[int] = ..., max_device_pins: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -187,7 +227,7 @@ class FileRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes")
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +249,7 @@ class Adapter(_message.Message):
     LAST_USED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     ref: str
@@ -230,7 +271,8 @@ class Adapter(_message.Message):
     last_used: float
     requests: int
     host_bytes: int
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ...) -> None: ...
+    pin: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()
@@ -284,6 +326,14 @@ class NameRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("name", "to")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    to: str
+    def __init__(self, name: _Optional[str] = ..., to: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
     __slots__ = ()

@@ -115,6 +115,9 @@ class LoractlService(LoractlBase):
         fields = dataclasses.asdict(view)
         fields["engine"] = pb.EngineConfig(**fields["engine"])
         fields["capacity"] = pb.Capacity(**fields["capacity"])
+        admission = fields["admission"]
+        admission["requests"] = [pb.RequestInfo(**r) for r in admission["requests"]]
+        fields["admission"] = pb.Admission(**admission)
         await stream.send_message(pb.StatusReply(**fields))
 
     @domain_errors
@@ -174,8 +177,8 @@ class LoractlService(LoractlBase):
 
     @domain_errors
     @mutating("pin")
-    async def Pin(self, stream, request: pb.NameRequest) -> None:
-        await stream.send_message(adapter_message(await self.core.pin(request.name)))
+    async def Pin(self, stream, request: pb.PinRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.pin(request.name, request.to)))
 
     @domain_errors
     @mutating("unpin")

@@ -23,7 +23,7 @@ from loractld.core import Core, UnknownModel, audited
 from loractld.views import AdapterView
 
 # What a card says of an adapter beyond OpenAI's and vLLM's fields.
-_OWN_FIELDS = ("tier", "pinned", "slot", "last_used", "requests", "state", "error", "rank", "alpha", "size_bytes",
+_OWN_FIELDS = ("tier", "pinned", "pin", "slot", "last_used", "requests", "state", "error", "rank", "alpha", "size_bytes",
                "host_bytes", "source", "ref", "revision", "base_model")
 
 

@@ -1,0 +1,287 @@
+"""Adapter-aware admission: which requests the engine may hold, so that no engine step can
+need more device slots than there are, and device pins are safe.
+
+vLLM's scheduler takes up to ``max_loras`` distinct adapters into a step, first come first
+served, whatever is pinned: with a slot held by a device pin, a step of ``max_loras`` other
+adapters evicts one of its own adapters mid-step and the engine dies (``KeyError`` in
+punica's ``convert_mapping``). And under adapter thrash its first-come order lets requests for
+the adapters already running join step after step while a request for another adapter waits
+for all of them to end. loractl sees every request before vLLM does; this gate holds the ones
+the engine must not have yet, and a policy chooses which adapter a freed place goes to.
+
+Terms: a *place* is a device slot's worth of admission. ``places`` = ``max_loras``. An adapter
+is *active* while the engine holds at least one of its requests; every active adapter that is
+not device-pinned takes one place, and every device pin takes one for good.
+
+Invariants:
+- active unpinned adapters + device pins <= places, at every moment, whatever the policy; so
+  every step's adapters fit in the device slots next to the pinned ones.
+- A base-model request, or one for a device-pinned adapter, never waits.
+- A waiter that goes away (client gone, deadline, drain) leaves its queue at once; a place
+  granted to it that it did not take is handed on at once.
+- A device pin waiting for a place goes first: while one waits, no adapter becomes active and
+  active ones take no new requests (they drain, and free the place).
+- The policy only chooses; the bookkeeping above is the gate's, the same for every policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+POLICIES = ("batching", "first-come")
+DEFAULT_POLICY = "batching"
+DEFAULT_MAX_WAIT_S = 1.0
+# Wait-time histogram buckets (seconds): from "did not wait" to "starved".
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request, from arrival to its end: queued (``admitted`` None), then in the engine."""
+
+    id: str
+    key: int | None                 # the adapter's engine id; None for the base model
+    label: str                      # what ``ps`` and the metrics call it
+    arrived: float
+    admitted: float | None = None
+    waited: bool = False            # it was queued (not admitted on arrival)
+    grant: asyncio.Future | None = field(default=None, repr=False)
+
+    @property
+    def wait_s(self) -> float:
+        return (self.admitted if self.admitted is not None else time.monotonic()) - self.arrived
+
+
+class Policy(Protocol):
+    """Chooses; never counts. Called by the gate with the gate's state, after every change."""
+
+    name: str
+    batch_on_grant: bool    # a freed place admits every waiting request of its adapter at once
+
+    def may_join(self, gate: Gate, key: int, now: float) -> bool:
+        """May a waiting request for ``key``, already active, enter the engine now?"""
+
+    def next_adapter(self, gate: Gate, now: float) -> int | None:
+        """Which waiting adapter (not active) gets a free place now; None: leave it free."""
+
+
+class FirstCome:
+    """Strict arrival order: a request enters when everything that came before it has; it takes
+    a free place, or joins its adapter if active. No request waits behind a later one, and no
+    hot adapter batches past a request for another: the baseline."""
+
+    name = "first-come"
+    batch_on_grant = False
+
+    def may_join(self, gate: Gate, key: int, now: float) -> bool:
+        return gate.queue[0].key == key   # only the head of the line moves
+
+    def next_adapter(self, gate: Gate, now: float) -> int | None:
+        return gate.queue[0].key if gate.queue else None
+
+
+class AdapterBatching:
+    """Batch by adapter, with a bound on waiting (in the spirit of LoRAX's exchange scheduler).
+
+    - An active adapter takes its waiting requests as they come (one engine batch serves them
+      all, and no slot changes hands), until another adapter has waited ``max_wait_s``: then
+      the adapter whose turn began first stops taking new requests, drains, and frees its place.
+    - A free place goes to the adapter that has waited longest past ``max_wait_s``, else to the
+      one with the most waiting requests (the biggest batch), ties to the oldest request.
+    A request's wait is thus bounded by ``max_wait_s`` plus the time the adapter ahead of it
+    takes to finish what it already runs.
+    """
+
+    name = "batching"
+    batch_on_grant = True
+
+    def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+        self.max_wait_s = max_wait_s
+
+    def may_join(self, gate: Gate, key: int, now: float) -> bool:
+        starving = [t for t in gate.queue if t.key not in gate.running and now - t.arrived >= self.max_wait_s]
+        if not starving and not gate.pins_waiting:
+            return True
+        # Someone has waited too long: the adapter whose turn is oldest hands over.
+        oldest_turn = min(gate.unpinned_active(), key=lambda k: gate.turn_began[k], default=None)
+        return key != oldest_turn
+
+    def next_adapter(self, gate: Gate, now: float) -> int | None:
+        waiting: dict[int, list[Ticket]] = {}
+        for t in gate.queue:
+            if t.key not in gate.running:
+                waiting.setdefault(t.key, []).append(t)
+        if not waiting:
+            return None
+
+        def priority(key: int) -> tuple:
+            first = waiting[key][0].arrived
+            starved = now - first >= self.max_wait_s
+            return (not starved, first if starved else 0.0, -len(waiting[key]), first)
+
+        return min(waiting, key=priority)
+
+
+def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
+    if name == "first-come":
+        return FirstCome()
+    if name == "batching":
+        return AdapterBatching(max_wait_s)
+    raise ValueError(f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+class Gate:
+    """The admission gate. Single-threaded: every method runs on the daemon's event loop.
+
+    ``on_wait`` is called with each ticket that was queued, when it is admitted (the daemon
+    publishes an event and observes the wait); ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, places: int, policy: Policy, *, on_admit: Callable[[Ticket], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if places < 1:
+            raise ValueError("the gate needs at least one place")
+        self.places = places
+        self.policy = policy
+        self.on_admit = on_admit
+        self.clock = clock
+        self.running: dict[int, int] = {}       # adapter -> requests the engine holds (pinned ones too)
+        self.turn_began: dict[int, float] = {}  # active adapter -> when it became active
+        self.pinned: set[int] = set()           # device pins: a place each, for good
+        self.queue: list[Ticket] = []           # waiting requests, in arrival order
+        self.tickets: dict[str, Ticket] = {}    # every request from arrival to end (loractl ps)
+        self._pin_waiters: list[tuple[int, asyncio.Future]] = []
+        self._ids = itertools.count(1)
+
+    # -- the state, for policies and status ------------------------------------------------
+    def unpinned_active(self) -> list[int]:
+        return [k for k in self.running if k not in self.pinned]
+
+    @property
+    def used(self) -> int:
+        return len(self.unpinned_active()) + len(self.pinned)
+
+    @property
+    def free(self) -> int:
+        return self.places - self.used
+
+    @property
+    def pins_waiting(self) -> bool:
+        return bool(self._pin_waiters)
+
+    def position(self, ticket: Ticket) -> int:
+        """1-based place in the waiting line; 0 once admitted."""
+        return 0 if ticket.admitted is not None else self.queue.index(ticket) + 1
+
+    def queued_by_adapter(self) -> dict[str, int]:
+        depth: dict[str, int] = {}
+        for t in self.queue:
+            depth[t.label] = depth.get(t.label, 0) + 1
+        return depth
+
+    # -- requests ----------------------------------------------------------------------------
+    async def enter(self, key: int | None, label: str) -> Ticket:
+        """Wait until the request may enter the engine; the ticket must be given to :meth:`leave`
+        when the request ends (finished, aborted or failed)."""
+        ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock())
+        self.tickets[ticket.id] = ticket
+        if key is None or key in self.pinned:
+            self._admit(ticket)
+            return ticket
+        self.queue.append(ticket)
+        self._pump()
+        if ticket.admitted is not None:
+            return ticket
+        ticket.waited = True
+        ticket.grant = asyncio.get_running_loop().create_future()
+        try:
+            await ticket.grant
+        except asyncio.CancelledError:
+            self.leave(ticket)   # queued: out of the line; granted meanwhile: the place goes on
+            raise
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        """The request ended (or gave up waiting). Idempotent."""
+        if self.tickets.pop(ticket.id, None) is None:
+            return
+        if ticket.admitted is None:
+            self.queue.remove(ticket)
+        elif ticket.key is not None:
+            self.running[ticket.key] -= 1
+            if not self.running[ticket.key]:
+                del self.running[ticket.key]
+                self.turn_began.pop(ticket.key, None)
+        self._pump()
+
+    # -- device pins -------------------------------------------------------------------------
+    async def reserve(self, key: int) -> None:
+        """Hold a place for ``key`` for good (a device pin); waits for one to free up. An
+        adapter already active keeps its place, now as a pin."""
+        if key in self.pinned:
+            return
+        if key in self.running or (self.free > 0 and not self._pin_waiters):
+            self.pinned.add(key)
+            self._pump()
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._pin_waiters.append((key, waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(key)
+            else:
+                self._pin_waiters.remove((key, waiter))
+                self._pump()
+            raise
+
+    def release(self, key: int) -> None:
+        """Drop a device pin's place (after the engine unpinned it). Requests of ``key`` still
+        running keep it active, on an ordinary place."""
+        self.pinned.discard(key)
+        self._pump()
+
+    # -- the pump: every change ends here --------------------------------------------------
+    def _pump(self) -> None:
+        now = self.clock()
+        while self._pin_waiters and self.free > 0:
+            key, waiter = self._pin_waiters.pop(0)
+            self.pinned.add(key)
+            if not waiter.done():
+                waiter.set_result(None)
+        progress = True
+        while progress and self.queue:
+            progress = False
+            if not self._pin_waiters:
+                for ticket in [t for t in self.queue if t.key in self.running or t.key in self.pinned]:
+                    if ticket.key in self.pinned or self.policy.may_join(self, ticket.key, now):
+                        self._admit(ticket)
+                        progress = True
+            if self.free > 0 and not self._pin_waiters:
+                key = self.policy.next_adapter(self, now)
+                if key is not None and key not in self.running:
+                    self.turn_began[key] = now
+                    for ticket in [t for t in self.queue if t.key == key]:
+                        self._admit(ticket)
+                        if not self.policy.batch_on_grant:
+                            break  # the others follow through may_join, in their order
+                    progress = True
+
+    def _admit(self, ticket: Ticket) -> None:
+        ticket.admitted = self.clock()
+        if ticket in self.queue:
+            self.queue.remove(ticket)
+        if ticket.key is not None:
+            if ticket.key not in self.running:
+                self.turn_began.setdefault(ticket.key, ticket.admitted)
+            self.running[ticket.key] = self.running.get(ticket.key, 0) + 1
+        if ticket.grant is not None and not ticket.grant.done():
+            ticket.grant.set_result(None)
+        if self.on_admit is not None:
+            self.on_admit(ticket)

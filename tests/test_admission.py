@@ -1,0 +1,216 @@
+"""The admission gate's policies, driven with a fake clock (no engine: the gate only counts and
+chooses; tests/test_tiers.py runs it in front of the real engine).
+
+After every change, the invariant is checked: active unpinned adapters + device pins <= places.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from loractld.admission import AdapterBatching, FirstCome, Gate, make_policy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def checked(gate: Gate) -> Gate:
+    """Assert the gate's invariant after each admission."""
+    def on_admit(ticket):
+        assert gate.used <= gate.places, (gate.running, gate.pinned)
+        admitted.append(ticket)
+
+    admitted: list = []
+    gate.on_admit = on_admit
+    gate.admitted_log = admitted  # type: ignore[attr-defined]
+    return gate
+
+
+async def arrive(gate: Gate, key, label=None):
+    """Start a request; return its task (done when admitted) after letting the loop run."""
+    task = asyncio.ensure_future(gate.enter(key, label or f"a{key}"))
+    await settle()
+    return task
+
+
+async def settle():
+    """Let every task that can run, run (a grant takes a turn or two to reach its waiter)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_base_requests_and_device_pinned_adapters_never_wait():
+    async def go():
+        gate = checked(Gate(2, FirstCome()))
+        await gate.reserve(7)                       # a device pin: one place for good
+        a = await arrive(gate, 1)
+        b = await arrive(gate, 2)                   # no place left for a second unpinned adapter
+        base = await arrive(gate, None)
+        pinned = await arrive(gate, 7)
+        assert a.done() and not b.done() and base.done() and pinned.done()
+        assert gate.position(gate.queue[0]) == 1 and gate.queue[0].key == 2
+        gate.leave(a.result())
+        await settle()
+        assert b.done()
+    run(go())
+
+
+@pytest.mark.parametrize("policy", ["first-come", "batching"])
+def test_never_more_adapters_than_places_under_random_traffic(policy):
+    """Random arrivals, ends, cancellations, pins and unpins: the invariant holds after each,
+    and every request that was not cancelled is admitted in the end."""
+    async def go():
+        rng = random.Random(7)
+        clock = Clock()
+        gate = checked(Gate(3, make_policy(policy, 0.5), clock=clock))
+        live, done = [], 0
+        for _ in range(400):
+            clock.now += rng.random() * 0.2
+            op = rng.random()
+            if op < 0.45:
+                live.append(await arrive(gate, rng.choice([None, 1, 2, 3, 4, 5, 6])))
+            elif op < 0.8 and any(t.done() for t in live):
+                task = rng.choice([t for t in live if t.done()])
+                live.remove(task)
+                gate.leave(task.result())
+                done += 1
+            elif op < 0.88 and live:
+                task = rng.choice(live)
+                live.remove(task)
+                if task.done():
+                    gate.leave(task.result())
+                else:
+                    task.cancel()
+                await settle()
+            elif op < 0.94 and len(gate.pinned) < 2:
+                pin = asyncio.ensure_future(gate.reserve(rng.choice([1, 2, 3, 4, 5, 6])))
+                await settle()
+                if not pin.done():
+                    pin.cancel()
+                    await settle()
+            elif gate.pinned:
+                gate.release(rng.choice(sorted(gate.pinned)))
+            await settle()
+            assert gate.used <= gate.places
+        # Drain: end everything admitted until the line is empty.
+        while live:
+            clock.now += 1.0
+            ready = [t for t in live if t.done()]
+            assert ready, "requests wait while nothing runs"
+            for task in ready:
+                live.remove(task)
+                gate.leave(task.result())
+            await settle()
+        assert not gate.queue and not gate.running and not gate.tickets
+        return done
+    assert run(go()) > 50
+
+
+def test_a_cancelled_waiter_leaves_the_line_and_a_granted_place_moves_on():
+    async def go():
+        gate = checked(Gate(1, FirstCome()))
+        a = await arrive(gate, 1)
+        b = await arrive(gate, 2)
+        c = await arrive(gate, 3)
+        b.cancel()
+        await settle()
+        assert [t.key for t in gate.queue] == [3]
+        # Granted, then cancelled before it resumed: the place goes on to the next at once.
+        d = await arrive(gate, 4)
+        gate.leave(a.result())          # grants c
+        c.cancel()
+        await settle()
+        assert d.done() and gate.running == {4: 1}
+    run(go())
+
+
+def test_first_come_keeps_arrival_order_even_for_a_running_adapter():
+    async def go():
+        gate = checked(Gate(1, FirstCome()))
+        a1 = await arrive(gate, 1)
+        b = await arrive(gate, 2)
+        a2 = await arrive(gate, 1)      # adapter 1 runs, but b came first
+        assert not a2.done()
+        gate.leave(a1.result())
+        await settle()
+        assert b.done() and not a2.done()
+    run(go())
+
+
+def test_batching_joins_a_running_adapter_until_another_waited_too_long():
+    async def go():
+        clock = Clock()
+        gate = checked(Gate(1, AdapterBatching(max_wait_s=1.0), clock=clock))
+        hot = [await arrive(gate, 1)]
+        cold = await arrive(gate, 2)
+        clock.now = 0.5
+        hot.append(await arrive(gate, 1))       # joins: the cold one has not waited long
+        assert hot[-1].done() and not cold.done()
+        clock.now = 1.5
+        late = await arrive(gate, 1)            # the cold one starves: adapter 1 hands over
+        assert not late.done()
+        for task in hot:
+            gate.leave(task.result())
+        await settle()
+        assert cold.done() and not late.done()  # the place went to the starving adapter
+        assert cold.result().wait_s == pytest.approx(1.5)
+    run(go())
+
+
+def test_batching_gives_a_free_place_to_the_biggest_batch_and_admits_it_whole():
+    async def go():
+        clock = Clock()
+        gate = checked(Gate(1, AdapterBatching(max_wait_s=10.0), clock=clock))
+        running = await arrive(gate, 9)
+        first = await arrive(gate, 1)           # came first, alone
+        clock.now = 0.1
+        many = [await arrive(gate, 2) for _ in range(3)]
+        gate.leave(running.result())
+        await settle()
+        assert all(t.done() for t in many) and not first.done()
+        assert gate.running == {2: 3}
+    run(go())
+
+
+def test_a_device_pin_waits_for_a_place_and_goes_before_queued_requests():
+    async def go():
+        gate = checked(Gate(2, AdapterBatching(max_wait_s=10.0)))
+        a = await arrive(gate, 1)
+        b = await arrive(gate, 2)
+        pin = asyncio.ensure_future(gate.reserve(3))
+        await settle()
+        c = await arrive(gate, 4)
+        more_a = await arrive(gate, 1)          # a's adapter stops taking requests: a pin waits
+        assert not pin.done() and not c.done() and not more_a.done()
+        gate.leave(a.result())
+        await settle()
+        assert pin.done() and gate.pinned == {3} and not c.done()
+        # A pinned adapter's requests go straight in; a request of an adapter pinned while it
+        # ran keeps its place as the pin's.
+        assert (await arrive(gate, 3)).done()
+        await gate.reserve(2)
+        assert gate.used == 2 and gate.free == 0
+        gate.release(2)
+        gate.leave(b.result())
+        await settle()
+        assert c.done() or more_a.done()
+    run(go())
+
+
+def test_the_gate_refuses_nonsense():
+    with pytest.raises(ValueError, match="at least one place"):
+        Gate(0, FirstCome())
+    with pytest.raises(ValueError, match="unknown admission policy"):
+        make_policy("lifo")
