@@ -1,0 +1,195 @@
+"""Adapter thrash: loractl's admission policies against vLLM's own OpenAI server.
+
+    .venv/bin/python bench/thrash_bench.py --rounds 3 --out bench/results/thrash-cpu.json
+
+Load: each request names an adapter drawn Zipf(1.1) over ``--adapters`` adapters (default 8:
+more than the ``--max-cpu-loras`` host entries and far more than the ``--max-loras`` device
+slots), the same sequence for every system; ``--streams`` closed-loop clients (default 4, 8,
+16) share a queue of ``--requests`` requests of ``--tokens`` tokens (``min_tokens`` too, so
+every request does the same work).
+
+Systems, same model, same engine and LoRA settings, in the same run, one at a time (the others
+idle), the order rotated every round:
+
+- ``batching``   — loractld ``--admission batching`` (its default), through ``loractl.Client``;
+- ``first-come`` — loractld ``--admission first-come``;
+- ``server``     — ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs),
+  through the ``openai`` package, streaming chat.
+
+Figures per cell: tokens/s over the cell's wall time, TTFT p50/p99/max; for loractl also the
+longest any request waited at the admission gate (from its WAITED_FOR_SLOT events). Ratios
+are each loractl policy over the server, per round; the report gives median and range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _setup  # noqa: E402
+from serve_bench import LoractlSystem, ServerSystem, cell, start_server, stop  # noqa: E402
+
+POLICIES = ("batching", "first-come")
+FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")
+
+
+class PolicySystem(LoractlSystem):
+    """loractl under one admission policy; records the longest wait at its gate."""
+
+    def __init__(self, policy: str, socket_path: Path, names: list[str]) -> None:
+        super().__init__(socket_path, names)
+        self.name = policy
+        self.longest_wait_s = 0.0
+        self._watch: asyncio.Task | None = None
+
+    async def start_watching(self) -> None:
+        async def follow() -> None:
+            async for event in self.client.events():
+                found = re.search(r"waited ([0-9.]+) s", event["message"]) if event["kind"] == "WAITED_FOR_SLOT" else None
+                if found:
+                    self.longest_wait_s = max(self.longest_wait_s, float(found.group(1)))
+
+        self._watch = asyncio.create_task(follow())
+        await asyncio.sleep(0.2)
+
+    def take_longest_wait(self) -> float:
+        longest, self.longest_wait_s = self.longest_wait_s, 0.0
+        return longest
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        await super().close()
+
+
+async def run_round(systems: list, args, round_no: int) -> dict:
+    out: dict = {}
+    order = systems[round_no % len(systems):] + systems[:round_no % len(systems)]
+    for system in order:
+        cells = {}
+        for streams in args.streams:
+            result = await cell(system, "zipf", streams, args, seed=1000 + streams)  # same sequence every round
+            if isinstance(system, PolicySystem):
+                await asyncio.sleep(0.3)  # the last WAITED_FOR_SLOT event reaches the watcher
+                result["longest_gate_wait_ms"] = round(system.take_longest_wait() * 1000, 1)
+            cells[f"zipf@{streams}"] = result
+            print(f"round {round_no} {system.name:10s} zipf@{streams}: {result}", file=sys.stderr, flush=True)
+        out[system.name] = cells
+    return out
+
+
+def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
+    out = {}
+    for key in rounds[0][system]:
+        out[key] = {}
+        for figure in FIGURES:
+            values = [r[system][key][figure] / r[baseline][key][figure] for r in rounds if r[baseline][key][figure]]
+            out[key][figure] = {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+                                "max": round(max(values), 2)}
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = ["| load | policy | tok/s ×server | TTFT p50 ×server | TTFT p99 ×server | TTFT max ×server | "
+             "longest gate wait (ms) | TTFT p99 (ms) policy / server |", "|---|---|---|---|---|---|---|---|"]
+    for policy in POLICIES:
+        if policy not in report["ratios"]:
+            continue
+        for key, figures in report["ratios"][policy].items():
+            def fmt(figure: str) -> str:
+                v = figures[figure]
+                return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})"
+
+            waits = max(r[policy][key]["longest_gate_wait_ms"] for r in report["rounds"])
+            p99 = {s: statistics.median(r[s][key]["ttft_p99_ms"] for r in report["rounds"]) for s in (policy, "server")}
+            lines.append(f"| {key} | {policy} | {fmt('tokens_per_s')} | {fmt('ttft_p50_ms')} | {fmt('ttft_p99_ms')} | "
+                         f"{fmt('ttft_max_ms')} | {waits:.0f} | {p99[policy]:.0f} / {p99['server']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _setup.engine_arguments(p, adapters=8)
+    p.set_defaults(max_cpu_loras=4)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--streams", default="4,8,16")
+    p.add_argument("--requests", type=int, default=96, help="requests per cell")
+    p.add_argument("--systems", default="batching,first-come,server")
+    p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching daemon")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--workdir")
+    p.add_argument("--out")
+    args = p.parse_args()
+    args.streams = [int(s) for s in args.streams.split(",")]
+    if args.adapters <= args.max_cpu_loras:
+        raise SystemExit("--adapters must exceed --max-cpu-loras: the point is thrash")
+    wanted = args.systems.split(",")
+    work = _setup.workdir(args.workdir)
+    model, paths = _setup.prepare(args.model, args.adapters, args.rank, work)
+    names = [f"bench/a{i}" for i in range(len(paths))]
+
+    daemons: dict[str, _setup.Daemon] = {}
+    server = None
+    try:
+        for policy in POLICIES:
+            if policy in wanted:
+                home = work / f"home-{policy}"
+                shutil.rmtree(home, ignore_errors=True)
+                home.mkdir()
+                extra = ["--admission", policy]
+                if args.max_num_seqs:
+                    extra += ["--max-num-seqs", str(args.max_num_seqs)]
+                if policy == "batching" and args.max_wait is not None:
+                    extra += ["--admission-max-wait", str(args.max_wait)]
+                daemons[policy] = _setup.Daemon(model, args, home, extra)
+        if "server" in wanted:
+            server = start_server(model, [n.replace("/", "-") for n in names], paths, args, work / "server.log")
+
+        async def go() -> dict:
+            from loractl import Client
+
+            systems = []
+            for policy, daemon in daemons.items():
+                async with Client(daemon.socket) as c:
+                    for name, path in zip(names, paths):
+                        async for _ in c.pull(str(path), name=name):
+                            pass
+                system = PolicySystem(policy, daemon.socket, names)
+                await system.start_watching()
+                systems.append(system)
+            if server:
+                systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
+            try:
+                return {"rounds": [await run_round(systems, args, i) for i in range(args.rounds)]}
+            finally:
+                for s in systems:
+                    await s.close()
+
+        results = asyncio.run(go())
+    finally:
+        for daemon in daemons.values():
+            daemon.stop()
+        if server:
+            stop(server[0])
+    report = {"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
+              "settings": {k: getattr(args, k) for k in ("device", "rank", "adapters", "max_loras", "max_cpu_loras",
+                                                         "max_model_len", "max_num_seqs", "kv_cache", "tokens",
+                                                         "streams", "requests", "max_wait", "rounds")},
+              **results}
+    if "server" in wanted:
+        report["ratios"] = {policy: ratios(report["rounds"], policy, "server") for policy in daemons}
+        report["markdown"] = markdown(report)
+        print(report["markdown"], file=sys.stderr)
+    _setup.write(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
