@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -168,14 +169,21 @@ def test_events_stream_lifecycle(tiered):
 
 def test_pins_and_preload_survive_a_restart(tiered, home):
     cli(tiered, "pin", NAMES[1])
+    cli(tiered, "pin", NAMES[2], "--to", "device")
+    saved = json.loads((tiered.home / "state" / "state.json").read_text())
     tiered.stop()
     d = start_daemon(tiered.home, "--preload", NAMES[0], "--preload", "no-such/v1", name="t")
     tiered.proc, tiered.log = d.proc, d.log
     listed = listing(d)
-    assert listed[NAMES[1]]["tier"] == "device" and listed[NAMES[1]]["pinned"]
+    assert (listed[NAMES[1]]["tier"], listed[NAMES[1]]["pin"]) in {("device", "host"), ("host", "host")}
+    assert (listed[NAMES[2]]["tier"], listed[NAMES[2]]["pin"]) == ("device", "device")
     assert listed[NAMES[0]]["tier"] == "device" and not listed[NAMES[0]]["pinned"]
     assert "preload no-such/v1" in d.log_tail(200)  # reported, and the daemon still came up
+    status = json.loads(cli(d, "status", "--json").stdout)
+    assert (status["capacity"]["pins"], status["capacity"]["device_pins"], status["admission"]["pinned"]) == (1, 1, 1)
+    assert saved == {"pins": [NAMES[1]], "device_pins": [NAMES[2]]}
     cli(d, "unpin", NAMES[1])
+    cli(d, "unpin", NAMES[2])
 
 
 def test_tier_errors(tiered):
@@ -328,44 +336,55 @@ def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference, to
 
 
 def test_ps_lists_requests_running_and_waiting(tiered):
-    """ps shows the requests in flight: with a device pin taking one of two places, a request
-    for a second adapter waits behind the first, at position 1."""
+    """ps shows the requests in flight. A device pin takes one of the two places, and two
+    clients keep asking for two other adapters, one request after another: at any moment one
+    adapter runs and the other's request waits, at position 1. A waiting request whose client
+    goes away leaves the line at once."""
     cli(tiered, "pin", NAMES[0], "--to", "device")
 
     async def go():
         async with tiered.client() as client:
+            stop = asyncio.Event()
+
             async def one(name):
                 return await collect(client, prompt="hi", lora=name, max_tokens=240, min_tokens=240, temperature=0.0)
 
-            long = [asyncio.create_task(one(NAMES[1]))]
-            while not (await client.status())["admission"]["requests"] and not long[0].done():
-                await asyncio.sleep(0.02)
-            long.append(asyncio.create_task(one(NAMES[2])))  # waits until the first ends
-            rows, table = None, None
-            for _ in range(200):
-                await asyncio.sleep(0.05)
+            async def loop(name):
+                while not stop.is_set():
+                    await one(name)
+
+            loops = [asyncio.create_task(loop(name)) for name in (NAMES[1], NAMES[2])]
+            rows = table = None
+            deadline = time.monotonic() + 120
+            while (rows is None or table is None) and time.monotonic() < deadline:
                 if rows is None:
                     out = await asyncio.to_thread(run_cli, "ps", "--json", "--socket", str(tiered.socket))
                     rows = json.loads(out.stdout) if '"queued"' in out.stdout else None
                 if table is None:
                     out = await asyncio.to_thread(run_cli, "ps", "--socket", str(tiered.socket), env={"COLUMNS": "120"})
                     table = out.stdout if "queued" in out.stdout else None
-                if rows is not None and table is not None or all(t.done() for t in long):
-                    break
-            await asyncio.gather(*long)
-            return (rows, table) if rows is not None and table is not None else None
+            gone = asyncio.create_task(one(NAMES[3]))
+            while NAMES[3] not in [r["adapter"] for r in (await client.status())["admission"]["requests"]]:
+                await asyncio.sleep(0.01)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            await asyncio.sleep(0.1)
+            left = [r["adapter"] for r in (await client.status())["admission"]["requests"]]
+            stop.set()
+            await asyncio.gather(*loops)
+            return rows, table, left
 
     try:
-        seen = asyncio.run(go())
+        rows, table, left = asyncio.run(go())
     finally:
         cli(tiered, "unpin", NAMES[0])
-    assert seen is not None, "no request was ever seen waiting"
-    rows, table = seen
-    states = sorted((r["adapter"], r["state"], r["position"]) for r in rows)
-    assert len(rows) == 2 and {s[1] for s in states} == {"running", "queued"}
+    assert rows is not None and table is not None, "no request was ever seen waiting"
+    assert sorted(r["state"] for r in rows) == ["queued", "running"], rows
+    assert {r["adapter"] for r in rows} == {NAMES[1], NAMES[2]}
     queued = next(r for r in rows if r["state"] == "queued")
     assert queued["position"] == 1 and queued["waited_s"] > 0
     assert "running" in table and "queued" in table and any(n in table for n in NAMES[1:3])
+    assert NAMES[3] not in left, left  # its place in the line went as its client went
     assert run_cli("ps", "--socket", str(tiered.socket)).stdout.strip() == "no requests in flight"
 
 
