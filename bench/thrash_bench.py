@@ -9,7 +9,8 @@ slots), the same sequence for every system; ``--streams`` closed-loop clients (d
 every request does the same work).
 
 Systems, same model, same engine and LoRA settings, in the same run, one at a time (the others
-idle), the order rotated every round:
+idle); at each load level every system's cell runs back to back, the order rotated per level
+and round:
 
 - ``batching``   — loractld ``--admission batching`` (its default), through ``loractl.Client``;
 - ``first-come`` — loractld ``--admission first-come``;
@@ -70,18 +71,18 @@ class PolicySystem(LoractlSystem):
 
 
 async def run_round(systems: list, args, round_no: int) -> dict:
-    out: dict = {}
-    order = systems[round_no % len(systems):] + systems[:round_no % len(systems)]
-    for system in order:
-        cells = {}
-        for streams in args.streams:
+    """Per load level, every system's cell back to back (drift hits all alike), the order
+    rotated per level and round."""
+    out: dict = {s.name: {} for s in systems}
+    for level, streams in enumerate(args.streams):
+        turn = (round_no + level) % len(systems)
+        for system in systems[turn:] + systems[:turn]:
             result = await cell(system, "zipf", streams, args, seed=1000 + streams)  # same sequence every round
             if isinstance(system, PolicySystem):
                 await asyncio.sleep(0.3)  # the last WAITED_FOR_SLOT event reaches the watcher
                 result["longest_gate_wait_ms"] = round(system.take_longest_wait() * 1000, 1)
-            cells[f"zipf@{streams}"] = result
+            out[system.name][f"zipf@{streams}"] = result
             print(f"round {round_no} {system.name:10s} zipf@{streams}: {result}", file=sys.stderr, flush=True)
-        out[system.name] = cells
     return out
 
 
@@ -121,7 +122,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", default="4,8,16")
-    p.add_argument("--requests", type=int, default=96, help="requests per cell")
+    p.add_argument("--requests", type=int, default=192, help="requests per cell")
     p.add_argument("--systems", default="batching,first-come,server")
     p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching daemon")
     p.add_argument("--rounds", type=int, default=3)
