@@ -122,6 +122,19 @@ def daemon(home: Path) -> Daemon:
     d.stop()
 
 
+def sigint_as_at_a_terminal() -> None:
+    """``preexec_fn`` for a child that a test interrupts with Ctrl-C / SIGINT.
+
+    A shell without job control starts background commands with SIGINT ignored, and an
+    ignored signal stays ignored across fork and exec: a CI run started with ``&`` (or
+    under nohup) hands that to pytest and to every process it starts. Python then installs
+    no KeyboardInterrupt handler, nor asyncio.run its own, and the child never sees the
+    Ctrl-C the test sends: ``loractl pull`` waits on, ``loractl chat`` finishes its reply.
+    A person at a terminal has SIGINT at its default, so the child gets that.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 60):
     """Run the installed ``loractl`` script; return the CompletedProcess (text mode)."""
     full_env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "100", **(env or {})}

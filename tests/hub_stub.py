@@ -109,6 +109,7 @@ class _Stall:
     filename: str
     after_bytes: int
     event: threading.Event
+    repo: str | None = None
 
 
 class _HubError(Exception):
@@ -191,15 +192,18 @@ class HubStub:
                 files[f"{prefix}/{rel}" if prefix else rel] = p.read_bytes()
         return self.add_commit(repo_id, files, branch=branch)
 
-    def stall(self, filename: str, after_bytes: int) -> threading.Event:
+    def stall(self, filename: str, after_bytes: int, *, repo: str | None = None) -> threading.Event:
         """Hold future GETs of any repo file whose path ends with ``filename`` after ``after_bytes`` bytes.
+
+        ``repo``: only that repo's files (a stall a failed test never released then leaves the
+        other tests' pulls alone).
 
         ``after_bytes`` is an offset in the file: a ranged GET that starts past it, or a file no longer than
         it, is not held. The
         response blocks until the returned Event is set, then sends the rest. Once set, the stall is inert.
         ``stop()`` drops held responses (the client sees a broken connection).
         """
-        stall = _Stall(filename, max(0, int(after_bytes)), threading.Event())
+        stall = _Stall(filename, max(0, int(after_bytes)), threading.Event(), repo)
         with self._lock:
             self._stalls.append(stall)
         return stall.event
@@ -290,9 +294,11 @@ class HubStub:
                 commit = parent
             return commit
 
-    def _stall_for(self, path: str, start: int, size: int) -> _Stall | None:
+    def _stall_for(self, repo_id: str, path: str, start: int, size: int) -> _Stall | None:
         with self._lock:
             for stall in self._stalls:
+                if stall.repo not in (None, repo_id):
+                    continue
                 if path.endswith(stall.filename) and not stall.event.is_set() and start <= stall.after_bytes < size:
                     return stall
         return None
@@ -498,7 +504,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if head or not size:
             return
         pos = start
-        stall = self.hub._stall_for(path, start, size)
+        stall = self.hub._stall_for(repo_id, path, start, size)
         if stall is not None:  # send up to the stall offset, then hold
             pos = self._send_body(blob.data, pos, min(stall.after_bytes, end + 1))
             while not stall.event.wait(0.05):

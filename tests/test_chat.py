@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import os
+import platform
+import signal
 import sys
 import tempfile
+import termios
+import time
 
 import pexpect
 
-from conftest import BIN, run_cli
+from conftest import BIN, run_cli, sigint_as_at_a_terminal
 
 PROMPT = ">>> "
 
 
 def spawn_chat(daemon, *args: str) -> pexpect.spawn:
+    # SIGINT as at a terminal: a CI run started in the background hands it down ignored.
     env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb", "LORACTL_HOME": tempfile.mkdtemp(prefix="lct-chat-")}
     env.pop("LORACTL_SOCKET", None)
     child = pexpect.spawn(str(BIN / "loractl"), ["chat", "--socket", str(daemon.socket), *args], env=env,
-                          encoding="utf-8", timeout=60, dimensions=(40, 200))
+                          encoding="utf-8", timeout=60, dimensions=(40, 200), preexec_fn=sigint_as_at_a_terminal)
     child.logfile_read = sys.stderr if os.environ.get("LORACTL_TEST_VERBOSE") else None
     child.expect_exact(PROMPT)
     return child
@@ -69,14 +74,70 @@ def test_chat_switches_adapter_mid_conversation(daemon, demo, reference):
     assert child.exitstatus == 0
 
 
+def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _terminal(child: pexpect.spawn) -> str:
+    return os.readlink(f"/proc/{child.pid}/fd/1")  # the pty's slave side, /dev/pts/N
+
+
+def _line_read(child: pexpect.spawn) -> bool:
+    """readline has handed the line over: the terminal is back in canonical mode."""
+    fd = os.open(_terminal(child), os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        return bool(termios.tcgetattr(fd)[3] & termios.ICANON)
+    finally:
+        os.close(fd)
+
+
+def _output_stopped(child: pexpect.spawn) -> bool:
+    """The XOFF was processed: a write to the terminal would block (one NUL goes out if not)."""
+    fd = os.open(_terminal(child), os.O_WRONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}[platform.machine()]
+
+
+def _blocked_writing_stdout(child: pexpect.spawn) -> bool:
+    with open(f"/proc/{child.pid}/syscall") as f:  # the main thread's: where the chat loop runs
+        fields = f.read().split()
+    return fields[:2] == [str(WRITE_SYSCALL), "0x1"]
+
+
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(daemon, reference):
-    story = reference.greedy(reference.chat_ids("tell me a long story"), None, 200)
-    assert len(story) == 200  # no early EOS: the reply is still streaming when Ctrl-C lands
+    """Ctrl-C lands while the reply is being written, by construction: the daemon is stopped
+    until the terminal holds the chat's output (XOFF), so the reply's first write blocks and
+    the turn cannot end before the Ctrl-C, however fast the engine or slow the machine."""
+    message = "tell me a long story"
+    story = reference.greedy(reference.chat_ids(message), None, 200)
+    assert len(story) == 200  # no early EOS: the reply has more to write when Ctrl-C lands
     child = spawn_chat(daemon, "--temperature", "0", "--max-tokens", "200")
-    child.sendline("tell me a long story")
-    child.expect_exact(reference.text(story[:3]))
-    child.sendintr()
+    child.delaybeforesend = None
+    os.killpg(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        child.sendline(message)
+        child.expect_exact(message + "\r\n")
+        _wait_until(lambda: _line_read(child), "readline to give the terminal back")
+        child.sendcontrol("s")
+        _wait_until(lambda: _output_stopped(child), "the terminal to stop output")
+    finally:
+        os.killpg(daemon.proc.pid, signal.SIGCONT)
+    _wait_until(lambda: _blocked_writing_stdout(child), "the first piece of the reply")
+    child.sendintr()  # SIGINT to the chat; with IXON it also restarts the output
     child.expect_exact("(stopped)")
+    shown = child.before.replace("\x00", "").replace("^C", "").replace("\r\n", "\n").rstrip("\n")
+    assert reference.text(story).startswith(shown), shown  # what was written is the reply's start
     child.expect_exact(PROMPT)
     child.sendline("/help")
     child.expect_exact("/reset")

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, collect, run_cli, start_daemon
+from conftest import BIN, ENGINE_FLAGS, collect, run_cli, start_daemon
 from loractl.errors import EngineUnavailable, LoractlError
 from loractl.registry import ServiceDiscovery
 from test_errors import assert_one_error
@@ -50,15 +50,19 @@ def test_sigkill_mid_generation_then_restart(home, demo, reference):
     sub.mkdir(exist_ok=True)
     if not (sub / "tiny").exists():
         (sub / "tiny").symlink_to(home / "tiny")
-    d = start_daemon(sub, name="f")
+    # The whole context the tiny model has (1024), so the reply killed mid-stream runs ~1000
+    # steps: it cannot end while the test reads its first byte and kills, however loaded the machine.
+    flags = [*ENGINE_FLAGS]
+    flags[flags.index("--max-model-len") + 1] = "1024"
+    d = start_daemon(sub, name="f", engine_flags=flags)
     for name in ("sql-expert/v1", "poet/v1"):
         assert run_cli("pull", str(demo / "adapters" / name), "--name", name, "--socket", str(d.socket)).returncode == 0
     assert run_cli("pin", "sql-expert/v1", "--socket", str(d.socket)).returncode == 0
     before = json.loads(run_cli("ls", "--json", "--socket", str(d.socket)).stdout)
-    proc = subprocess.Popen([str(BIN / "loractl"), "run", "-t", "0", "-n", "200", "--lora", "poet/v1", "Once",
+    proc = subprocess.Popen([str(BIN / "loractl"), "run", "-t", "0", "-n", "1000", "--lora", "poet/v1", "Once",
                              "--socket", str(d.socket)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Kill once text streams (the CLI flushes every chunk): 200 tokens take well under a
-    # second on this engine, so a fixed sleep could land after the end.
+    # Kill once text streams (the CLI flushes every chunk): 200 tokens took under half a
+    # second on an idle machine, so neither a fixed sleep nor a short reply is safe.
     assert proc.stdout.read(1), proc.stderr.read()
     os.killpg(d.proc.pid, signal.SIGKILL)
     d.proc.wait(30)

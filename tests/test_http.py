@@ -396,7 +396,7 @@ def test_a_client_that_goes_away_aborts_its_request_in_the_engine(api, stream):
     before = _generated_tokens(api)
     after = api.post("/v1/completions", {"model": "sql-expert/v1", "prompt": "Once", "max_tokens": 4, "min_tokens": 4})
     assert after.json()["usage"]["completion_tokens"] == 4
-    _wait_until(lambda: _generated_tokens(api) - before == 4, "vLLM's counter missed the 4 tokens", timeout=5)
+    _wait_until(lambda: _generated_tokens(api) - before == 4, "vLLM's counter missed the 4 tokens")
 
 
 def test_health_metrics_and_registry(api):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import BIN, collect, run_cli, start_daemon
+from conftest import BIN, collect, run_cli, sigint_as_at_a_terminal, start_daemon
 from hub_stub import HubStub
 from loractl import Client
 from test_errors import assert_one_error
@@ -148,7 +148,7 @@ def test_hub_unreachable(daemon):
     assert_one_error(result, 7, "cannot reach the Hub at http://127.0.0.1:9")
 
 
-def _wait_for(predicate, timeout=30.0, what="condition"):
+def _wait_for(predicate, timeout=60.0, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -159,15 +159,23 @@ def _wait_for(predicate, timeout=30.0, what="condition"):
 
 def test_ctrl_c_mid_pull_installs_nothing_and_the_next_pull_completes(daemon, hub, demo):
     hub.add_commit("acme/interrupted", files_of(demo / ADAPTERS / "sql-expert" / "v1"))
-    release = hub.stall("adapter_model.safetensors", after_bytes=1000)
+    release = hub.stall("adapter_model.safetensors", after_bytes=1000, repo="acme/interrupted")
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "NO_COLOR": "1"}
+    # SIGINT as at a terminal: a CI run started in the background hands it down ignored.
     proc = subprocess.Popen([str(BIN / "loractl"), "pull", "acme/interrupted", "--socket", str(daemon.socket)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: weight_downloads(hub, "acme/interrupted") >= 1, what="the stalled download")
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "Traceback" not in err
-    release.set()
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_at_a_terminal)
+    try:
+        # The daemon asks for the weights only once the CLI streams the pull: its Ctrl-C handler is in place.
+        _wait_for(lambda: weight_downloads(hub, "acme/interrupted") >= 1, what="the stalled download")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err, err
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     tmp = daemon.home / "adapters" / ".tmp"
     _wait_for(lambda: not any(tmp.iterdir()), what="the daemon to drop the cancelled pull")
     assert not (daemon.home / "adapters" / "acme" / "interrupted").exists()
@@ -179,7 +187,7 @@ def test_sigkill_mid_pull_then_restart_and_pull_cleanly(home, hub, demo):
     """The daemon SIGKILLed mid-download: nothing half-installed is visible, the restarted
     daemon clears the leftovers, and the same pull then completes."""
     hub.add_commit("acme/killed", files_of(demo / ADAPTERS / "translator" / "v1"))
-    release = hub.stall("adapter_model.safetensors", after_bytes=1000)
+    release = hub.stall("adapter_model.safetensors", after_bytes=1000, repo="acme/killed")
     d = start_daemon(home, name="k")
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "NO_COLOR": "1"}
     proc = subprocess.Popen([str(BIN / "loractl"), "pull", "acme/killed", "--socket", str(d.socket)],
@@ -196,6 +204,12 @@ def test_sigkill_mid_pull_then_restart_and_pull_cleanly(home, hub, demo):
         assert not (store / "acme" / "killed").exists()
     finally:
         release.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if d.proc.poll() is None:
+            os.killpg(d.proc.pid, signal.SIGKILL)
+            d.proc.wait(30)
     d2 = start_daemon(home, name="k")
     try:
         assert not any((home / "adapters" / ".tmp").iterdir())
