@@ -75,7 +75,7 @@ def pull(
 def ls(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     """List the adapters in the store and where each one is: device, host RAM or disk.
 
-    TIER is what the engine really holds (* = pinned); USED is the last request.
+    TIER is what the engine really holds; PIN is host, device or -; USED is the last request.
     loractl show NAME gives the source, base model and files.
 
     Examples:
@@ -111,7 +111,8 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
     rows = [
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
         ("tier", a["tier"] + (f" (slot {a['slot']})" if a["tier"] == "device" else "")
-         + (", pinned" if a["pinned"] else "")),
+         + ({"device": ", pinned to the device", "host": ", pinned in host RAM"}.get(
+             a.get("pin") or ("host" if a["pinned"] else ""), ""))),
         ("requests", f"{a['requests']} (last {ago(a['last_used'])})"),
         ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
         ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
