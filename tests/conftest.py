@@ -69,15 +69,16 @@ class Daemon:
 
 
 def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "tiny",
-                 engine_flags: list[str] = ENGINE_FLAGS) -> Daemon:
-    """Start ``loractld --model MODEL`` under ``home`` and wait until Status says ready."""
+                 engine_flags: list[str] = ENGINE_FLAGS, env: dict | None = None) -> Daemon:
+    """Start ``loractld --model MODEL`` under ``home`` (``env`` added to the environment) and
+    wait until Status says ready."""
     sock = home / f"{name}.sock"
     log = home / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket", str(sock),
              *engine_flags, *extra],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
         )
     daemon = Daemon(proc, home, sock, log)
     deadline = time.monotonic() + ready_timeout
@@ -107,6 +108,46 @@ def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Da
         result = run_cli("pull", str(home / "tiny" / "adapters" / adapter), "--name", adapter, "--socket", str(d.socket))
         assert result.returncode == 0, result.stderr
     return d
+
+
+@dataclass
+class Rig:
+    """A daemon of its own that tests may kill and restart (``LORACTL_TEST_KILL_AT``: see
+    loractld/killpoints.py)."""
+    root: Path
+    flags: tuple[str, ...]
+    daemon: Daemon | None = None
+
+    @property
+    def arm(self) -> Path:
+        return self.root / "kill-at"
+
+    def start(self) -> None:
+        self.daemon = start_daemon(self.root, *self.flags, name="rig", env={"LORACTL_TEST_KILL_AT": str(self.arm)})
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return run_cli(*args, "--socket", str(self.daemon.socket))
+
+    def ok(self, *args: str) -> subprocess.CompletedProcess:
+        result = self.cli(*args)
+        assert result.returncode == 0, (args, result.stderr, self.daemon.log_tail())
+        return result
+
+    def pull(self, *names: str) -> None:
+        for name in names:
+            self.ok("pull", str(self.root / "tiny" / "adapters" / name), "--name", name)
+
+
+@pytest.fixture(scope="session")
+def rig(home) -> Rig:
+    root = home / "rig"
+    root.mkdir(exist_ok=True)
+    (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
+    rig = Rig(root, ())
+    rig.start()
+    yield rig
+    if rig.daemon.proc.poll() is None:
+        rig.daemon.stop()
 
 
 async def _status(sock: Path) -> dict:
