@@ -111,9 +111,54 @@ def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Da
 
 
 @dataclass
+class SocketUsers:
+    """A group made for the tests and a user in it (a supplementary group, as ``usermod -aG``)."""
+    group: str
+    member: str
+    member_uid: int
+    member_gid: int
+
+
+@pytest.fixture(scope="session")
+def socket_users():
+    """(SocketUsers or None, why not): made when running as root with groupadd and useradd,
+    removed at the end of the session."""
+    if os.geteuid() != 0:
+        yield None, "not running as root: cannot create a test group and user"
+        return
+    if not (shutil.which("groupadd") and shutil.which("useradd")):
+        yield None, "groupadd/useradd are not installed"
+        return
+    tag = f"lct{os.getpid()}"
+    group, member = f"{tag}g", f"{tag}m"
+    made = subprocess.run(["groupadd", group], capture_output=True, text=True)
+    if made.returncode:
+        yield None, f"groupadd failed: {made.stderr.strip()}"
+        return
+    try:
+        made = subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell",
+                               "/usr/sbin/nologin", "--no-user-group", "--groups", group, member],
+                              capture_output=True, text=True)
+        if made.returncode:
+            yield None, f"useradd failed: {made.stderr.strip()}"
+            return
+        import pwd
+
+        entry = pwd.getpwnam(member)
+        try:
+            yield SocketUsers(group, member, entry.pw_uid, entry.pw_gid), ""
+        finally:
+            subprocess.run(["userdel", member], capture_output=True)
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+@dataclass
 class Rig:
     """A daemon of its own that tests may kill and restart (``LORACTL_TEST_KILL_AT``: see
-    loractld/killpoints.py)."""
+    loractld/killpoints.py), with its socket in a test group when one could be made
+    (--socket-group). Shared by the modules that kill and check the socket's group, so that they
+    pay for one daemon start, plus one per kill."""
     root: Path
     flags: tuple[str, ...]
     daemon: Daemon | None = None
@@ -139,11 +184,12 @@ class Rig:
 
 
 @pytest.fixture(scope="session")
-def rig(home) -> Rig:
+def rig(home, socket_users) -> Rig:
     root = home / "rig"
     root.mkdir(exist_ok=True)
     (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
-    rig = Rig(root, ())
+    users, _ = socket_users
+    rig = Rig(root, ("--socket-group", users.group) if users else ())
     rig.start()
     yield rig
     if rig.daemon.proc.poll() is None:
