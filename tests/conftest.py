@@ -7,6 +7,7 @@ tmp_path can exceed that.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -156,12 +157,13 @@ def socket_users():
 @dataclass
 class Rig:
     """A daemon of its own that tests may kill and restart (``LORACTL_TEST_KILL_AT``: see
-    loractld/killpoints.py), with its socket in a test group when one could be made
-    (--socket-group). Shared by the modules that kill and check the socket's group, so that they
-    pay for one daemon start, plus one per kill."""
+    loractld/killpoints.py), with the HTTP API on and, when a test group could be made, its
+    socket in that group (--socket-group). Shared by the modules that fuzz, kill and check the
+    socket's group, so that they pay for one daemon start, plus one per kill."""
     root: Path
     flags: tuple[str, ...]
     daemon: Daemon | None = None
+    http: str = ""
 
     @property
     def arm(self) -> Path:
@@ -169,6 +171,7 @@ class Rig:
 
     def start(self) -> None:
         self.daemon = start_daemon(self.root, *self.flags, name="rig", env={"LORACTL_TEST_KILL_AT": str(self.arm)})
+        self.http = json.loads(self.ok("status", "--json").stdout)["http"]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return run_cli(*args, "--socket", str(self.daemon.socket))
@@ -189,7 +192,7 @@ def rig(home, socket_users) -> Rig:
     root.mkdir(exist_ok=True)
     (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
     users, _ = socket_users
-    rig = Rig(root, ("--socket-group", users.group) if users else ())
+    rig = Rig(root, ("--http", "127.0.0.1:0", *(("--socket-group", users.group) if users else ())))
     rig.start()
     yield rig
     if rig.daemon.proc.poll() is None:
