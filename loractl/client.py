@@ -48,6 +48,32 @@ def to_dict(message: Any) -> dict[str, Any]:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def permission_hint(socket_path: Path) -> str:
+    """What to do about a socket this user may not open: join its group, or ask for one."""
+    import grp
+    import pwd
+    import stat
+
+    try:
+        st = socket_path.stat()
+    except OSError:  # a folder on the way is closed to this user
+        return (f"A folder above {socket_path} is closed to you; the daemon's owner must open the way "
+                "(chmod o+x), or run loractl as that user or root.")
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = f"uid {st.st_uid}"
+    as_owner = "root" if owner == "root" else f"{owner} or root"
+    if st.st_mode & stat.S_IRWXG:
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = f"gid {st.st_gid}"
+        return f"Ask to be added to the socket's group '{group}' (then log in again), or run loractl as {as_owner}."
+    return (f"The socket is private to {owner}: run loractl as {as_owner}, or start the daemon with "
+            "--socket-group GROUP and join that group.")
+
+
 class Client:
     """An async connection to one loractld over its Unix socket.
 
@@ -144,7 +170,7 @@ class Client:
             raise from_wire(e.status, e.message) from e
         except PermissionError as e:
             raise PermissionDenied(f"no permission to use the daemon's socket {self.socket_path}",
-                                   "Ask to join the daemon's socket group (the system daemon's is 'loractl').") from e
+                                   permission_hint(Path(self.socket_path))) from e
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise DaemonNotRunning(f"no loractl daemon is listening at {self.socket_path}",
                                    self._start_hint()) from e

@@ -25,10 +25,10 @@ class LoractlError(Exception):
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         # One line each, whatever a wrapped library's exception text looked like.
-        message = _one_line(message)
+        message = one_line(message)
         super().__init__(message)
         self.message = message
-        self.hint = _one_line(hint if hint is not None else self.default_hint)
+        self.hint = one_line(hint if hint is not None else self.default_hint)
 
     def __str__(self) -> str:
         return self.message
@@ -103,7 +103,8 @@ class PermissionDenied(LoractlError):
 MAX_LINE = 300
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text`` on one line, clipped to MAX_LINE characters (as every error message and hint)."""
     line = re.sub(r"\s*\n\s*", " ", str(text)).strip()
     if len(line) > MAX_LINE:  # found by tests/test_fuzz_grpc.py: grpcio saw no error of ours
         line = f"{line[:MAX_LINE]}... ({len(line) - MAX_LINE} more characters)"

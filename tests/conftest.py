@@ -7,6 +7,7 @@ tmp_path can exceed that.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -69,15 +70,16 @@ class Daemon:
 
 
 def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "tiny",
-                 engine_flags: list[str] = ENGINE_FLAGS) -> Daemon:
-    """Start ``loractld --model MODEL`` under ``home`` and wait until Status says ready."""
+                 engine_flags: list[str] = ENGINE_FLAGS, env: dict | None = None) -> Daemon:
+    """Start ``loractld --model MODEL`` under ``home`` (``env`` added to the environment) and
+    wait until Status says ready."""
     sock = home / f"{name}.sock"
     log = home / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket", str(sock),
              *engine_flags, *extra],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
         )
     daemon = Daemon(proc, home, sock, log)
     deadline = time.monotonic() + ready_timeout
@@ -107,6 +109,94 @@ def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Da
         result = run_cli("pull", str(home / "tiny" / "adapters" / adapter), "--name", adapter, "--socket", str(d.socket))
         assert result.returncode == 0, result.stderr
     return d
+
+
+@dataclass
+class SocketUsers:
+    """A group made for the tests and a user in it (a supplementary group, as ``usermod -aG``)."""
+    group: str
+    member: str
+    member_uid: int
+    member_gid: int
+
+
+@pytest.fixture(scope="session")
+def socket_users():
+    """(SocketUsers or None, why not): made when running as root with groupadd and useradd,
+    removed at the end of the session."""
+    if os.geteuid() != 0:
+        yield None, "not running as root: cannot create a test group and user"
+        return
+    if not (shutil.which("groupadd") and shutil.which("useradd")):
+        yield None, "groupadd/useradd are not installed"
+        return
+    tag = f"lct{os.getpid()}"
+    group, member = f"{tag}g", f"{tag}m"
+    made = subprocess.run(["groupadd", group], capture_output=True, text=True)
+    if made.returncode:
+        yield None, f"groupadd failed: {made.stderr.strip()}"
+        return
+    try:
+        made = subprocess.run(["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell",
+                               "/usr/sbin/nologin", "--no-user-group", "--groups", group, member],
+                              capture_output=True, text=True)
+        if made.returncode:
+            yield None, f"useradd failed: {made.stderr.strip()}"
+            return
+        import pwd
+
+        entry = pwd.getpwnam(member)
+        try:
+            yield SocketUsers(group, member, entry.pw_uid, entry.pw_gid), ""
+        finally:
+            subprocess.run(["userdel", member], capture_output=True)
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+@dataclass
+class Rig:
+    """A daemon of its own that tests may kill and restart (``LORACTL_TEST_KILL_AT``: see
+    loractld/killpoints.py), with the HTTP API on and, when a test group could be made, its
+    socket in that group (--socket-group). Shared by the modules that fuzz, kill and check the
+    socket's group, so that they pay for one daemon start, plus one per kill."""
+    root: Path
+    flags: tuple[str, ...]
+    daemon: Daemon | None = None
+    http: str = ""
+
+    @property
+    def arm(self) -> Path:
+        return self.root / "kill-at"
+
+    def start(self) -> None:
+        self.daemon = start_daemon(self.root, *self.flags, name="rig", env={"LORACTL_TEST_KILL_AT": str(self.arm)})
+        self.http = json.loads(self.ok("status", "--json").stdout)["http"]
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return run_cli(*args, "--socket", str(self.daemon.socket))
+
+    def ok(self, *args: str) -> subprocess.CompletedProcess:
+        result = self.cli(*args)
+        assert result.returncode == 0, (args, result.stderr, self.daemon.log_tail())
+        return result
+
+    def pull(self, *names: str) -> None:
+        for name in names:
+            self.ok("pull", str(self.root / "tiny" / "adapters" / name), "--name", name)
+
+
+@pytest.fixture(scope="session")
+def rig(home, socket_users) -> Rig:
+    root = home / "rig"
+    root.mkdir(exist_ok=True)
+    (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
+    users, _ = socket_users
+    rig = Rig(root, ("--http", "127.0.0.1:0", *(("--socket-group", users.group) if users else ())))
+    rig.start()
+    yield rig
+    if rig.daemon.proc.poll() is None:
+        rig.daemon.stop()
 
 
 async def _status(sock: Path) -> dict:

@@ -169,3 +169,22 @@ def test_ls_human_output_fits_80_columns(daemon, demo):
     assert result.returncode == 0, result.stderr
     assert "a-rather-long-adapter-name/v1" in result.stdout.replace("\n", "")
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+
+def test_recover_clears_what_an_install_killed_before_its_rename_left(tmp_path, demo):
+    """Store.install cut between the object's rename and the name's (tests/test_kill_points.py
+    kills the daemon there) leaves the object, a temporary link (at the root for a bare name, in
+    the org folder otherwise) and maybe an org folder with nothing else: the next start clears
+    them all, so the bare name "org" does not read as a hand-placed folder that blocks a pull."""
+    from loractld.store import Store
+
+    store = Store(tmp_path / "adapters")
+    for name in ("bare", "org/v1"):
+        entry = store.root / name
+        obj = store.objects / f"1-{name.replace('/', '-')}"
+        shutil.copytree(demo / "adapters" / "poet" / "v1", obj)
+        entry.parent.mkdir(exist_ok=True)
+        (entry.parent / f".{entry.name}.0123abcd").symlink_to(os.path.relpath(obj, entry.parent))
+    store.recover()
+    assert sorted(p.name for p in store.root.iterdir()) == [".objects", ".tmp"]
+    assert not any(store.objects.iterdir())

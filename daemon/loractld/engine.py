@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidRequest
-from loractld import compat, cpu_fixes, vllm_plugin, worker_ext
+from loractld import compat, cpu_fixes, killpoints, vllm_plugin, worker_ext
 from loractld.adapters import AdapterRef
 
 _log = logging.getLogger("loractld.engine")
@@ -327,24 +327,32 @@ class Engine:
 
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
-        return bool(await self._llm.add_lora(self._lora_request(adapter)))
+        added = bool(await self._llm.add_lora(self._lora_request(adapter)))
+        killpoints.reached("engine-add")
+        return added
 
     async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
         """Pin in host RAM, or (``device``) in host RAM and a device slot: only behind the
         admission gate's place for it (see worker_ext.loractl_pin_device)."""
         method = "loractl_pin_device" if device else "loractl_pin_host"
-        return bool((await self._llm.collective_rpc(method, args=(engine_id,)))[0])
+        pinned = bool((await self._llm.collective_rpc(method, args=(engine_id,)))[0])
+        killpoints.reached("engine-pin")
+        return pinned
 
     async def unpin_adapter(self, engine_id: int) -> bool:
         return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id,)))[0])
 
     async def deactivate_adapter(self, engine_id: int) -> bool:
         """Leave the device slot, keep the host copy."""
-        return bool((await self._llm.collective_rpc("loractl_deactivate", args=(engine_id,)))[0])
+        left = bool((await self._llm.collective_rpc("loractl_deactivate", args=(engine_id,)))[0])
+        killpoints.reached("engine-deactivate")
+        return left
 
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""
-        return bool(await self._llm.remove_lora(engine_id))
+        removed = bool(await self._llm.remove_lora(engine_id))
+        killpoints.reached("engine-remove")
+        return removed
 
     def generation_defaults(self) -> dict[str, Any]:
         """The model's own sampling defaults (its generation_config.json: temperature, top_p,

@@ -34,7 +34,7 @@ from loractld.engine import Engine, EngineSettings
 from loractld.publisher import Publisher
 from loractld.pulls import Puller
 from loractld.sources import load_sources
-from loractld.store import Store
+from loractld.store import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
 from loractld.tiers import PersistentState, Tiers
 from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
@@ -134,6 +134,23 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     _log.info("store %s: %d adapter(s); base model %s (shapes %s)", store_dir, len(adapters), model,
               "known" if base.shapes else "unknown")
     return catalog
+
+
+def open_state(path: Path, store: Store) -> PersistentState:
+    """The persisted pins, minus what a daemon killed mid-write or mid-``rm`` left: a temporary
+    beside state.json, and the pin of an adapter the store no longer has (``rm`` unlinks the name
+    before it drops the pin; kept, such a pin would hold one of the few pin places for good, and
+    ``unpin`` could not name it)."""
+    for leftover in remove_partial_writes(path):
+        _log.info("removed a leftover of an interrupted write: %s", leftover)
+    state = PersistentState(path)
+    gone = [name for name in state.pins + state.device_pins if not store.has(name)]
+    if gone:
+        _log.warning("dropping the pin(s) of %s: no longer in the store", ", ".join(gone))
+        state.pins = [name for name in state.pins if name not in gone]
+        state.device_pins = [name for name in state.device_pins if name not in gone]
+        state.save()
+    return state
 
 
 def _listeners(systemd: SystemdEnv, settings: DaemonSettings) -> tuple[Path, socket.socket | None,
@@ -237,7 +254,7 @@ async def serve(settings: DaemonSettings) -> int:
             gate = Gate(settings.engine.max_loras, make_policy(settings.admission_policy,
                                                                settings.admission_max_wait_s),
                         on_admit=core.admitted)
-            tiers = Tiers(engine, core.catalog.resolver, PersistentState(layout.state_dir / "state.json"),
+            tiers = Tiers(engine, core.catalog.resolver, open_state(layout.state_dir / "state.json", core.catalog.store),
                           core.events, core.metrics, gate, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, LoractlError
 from loractl.names import NAME_RE, validate_name
+from loractld import killpoints
 from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
@@ -58,15 +59,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _is_name_folder(entry: Path) -> bool:
+    """An org folder (``sql-expert`` of ``sql-expert/v1``): not a link, not an adapter itself."""
+    return (not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
+            and not (entry / CONFIG_FILE).exists())
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
+    """Write ``path`` whole or not at all (a temporary beside it, fsync, rename, fsync the folder).
+    A crash can leave the temporary behind: :func:`remove_partial_writes` at start-up."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
+    killpoints.reached(f"write:{path.name}")
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def remove_partial_writes(path: Path) -> list[Path]:
+    """Delete the temporaries that :func:`write_json_atomic` calls killed mid-way left beside ``path``."""
+    leftovers = [p for p in path.parent.glob(f".{path.name}.*") if len(p.name) == len(path.name) + 10]
+    for p in leftovers:
+        p.unlink(missing_ok=True)
+    return leftovers
 
 
 class Store:
@@ -90,6 +108,17 @@ class Store:
             if not link.exists():  # dangling: its object is gone
                 link.unlink()
                 removed.append(str(link))
+        # An install killed before its rename leaves its temporary link (".NAME.xxxxxxxx", at the
+        # root or in an org folder) and possibly an org folder with nothing else in it, which would
+        # make the bare name ORG read as a hand-placed adapter and refuse a later pull of it.
+        for folder in [self.root] + [e for e in self.root.iterdir() if _is_name_folder(e)]:
+            for entry in folder.iterdir():
+                if entry.name.startswith(".") and entry.is_symlink():
+                    entry.unlink()
+                    removed.append(str(entry))
+            if folder != self.root and not any(folder.iterdir()):
+                folder.rmdir()
+                removed.append(str(folder))
         return removed
 
     # -- reading ------------------------------------------------------------------------
@@ -129,6 +158,10 @@ class Store:
             except LoractlError as e:
                 _log.warning("ignoring %s: %s", entry, e.message)
         return adapters
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is a valid name with an adapter in the store (not validated)."""
+        return bool(NAME_RE.match(name)) and (self.root / name / CONFIG_FILE).exists()
 
     def get(self, name: str) -> StoredAdapter:
         validate_name(name)
@@ -214,6 +247,7 @@ class Store:
             entry.parent.mkdir(parents=True, exist_ok=True)
             link_tmp = entry.parent / f".{entry.name}.{uuid.uuid4().hex[:8]}"
             link_tmp.symlink_to(os.path.relpath(obj, entry.parent))
+            killpoints.reached("store-install")
             os.replace(link_tmp, entry)
             _fsync_dir(entry.parent)
         except OSError as e:
@@ -243,6 +277,7 @@ class Store:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+            killpoints.reached("store-unlink")
             if not keep_object:
                 shutil.rmtree(adapter.path, ignore_errors=True)
         parent = entry.parent

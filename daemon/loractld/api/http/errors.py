@@ -14,7 +14,7 @@ import re
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from loractl.errors import LoractlError
+from loractl.errors import LoractlError, one_line
 
 # Domain error kind -> HTTP status.
 STATUS = {
@@ -48,8 +48,10 @@ def error_response(status: int, message: str, hint: str, *, param: str | None = 
 
 
 def error_body(status: int, message: str, hint: str, *, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": code, "hint": hint}}
+    """Message, hint and param on one line each, clipped: they may echo what the client sent (a
+    model name or a field name of 100 kB, found by tests/test_fuzz_http.py)."""
+    return {"error": {"message": one_line(message), "type": _TYPES.get(status, "server_error"),
+                      "param": None if param is None else one_line(param), "code": code, "hint": one_line(hint)}}
 
 
 def from_domain(error: LoractlError, *, param: str | None = None) -> HttpError:

@@ -134,6 +134,10 @@ def parse(body: bytes, model: type[_Strict]) -> Any:
     except (ValueError, UnicodeDecodeError) as e:
         raise HttpError(400, f"the request body is not valid JSON: {e}", "Send a JSON object "
                         "(with curl: -H 'Content-Type: application/json' -d '{...}').", code="invalid_json") from e
+    except RecursionError as e:  # arrays or objects nested about a thousand deep: Python's parser gives up
+        raise HttpError(400, "the request body is nested too deeply to parse",
+                        "Send a JSON object of the endpoint's fields; none of them nests more than a few levels.",
+                        code="invalid_json") from e
     if isinstance(raw, dict):
         for name in set(raw) & set(_NEUTRAL) - set(model.model_fields):
             value = raw.pop(name)
