@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Rig
+from conftest import RIG_CONTEXT, Rig
 
 ADAPTERS = ["poet/v1", "sql-expert/v1"]
 PROBE = ("poet/v1", "hi", 8)  # adapter, prompt, tokens: as in test_faults, so the reference is shared
@@ -142,11 +142,13 @@ def test_sigkill_of_a_client_mid_stream_aborts_its_request(kills, reference, dem
         return sum(map(float, running)), sum(map(float, tokens))
 
     _, before = asyncio.run(engine())
-    # loractl.Client in a process of its own, so that min_tokens holds the request to 240 tokens.
+    # loractl.Client in a process of its own, so that min_tokens holds the request to its whole length:
+    # nearly the rig's context, long enough that a loaded machine still aborts it midway.
+    length = RIG_CONTEXT - 48
     code = ("import asyncio, sys\nfrom loractl import Client\n"
             "async def go():\n"
             f"    async with Client({str(rig.daemon.socket)!r}) as c:\n"
-            "        async for chunk in c.generate(prompt='Once', lora='poet/v1', max_tokens=240, min_tokens=240,"
+            f"        async for chunk in c.generate(prompt='Once', lora='poet/v1', max_tokens={length}, min_tokens={length},"
             " temperature=0.0):\n"
             "            sys.stdout.write(chunk.text); sys.stdout.flush()\n"
             "asyncio.run(go())\n")
@@ -160,6 +162,6 @@ def test_sigkill_of_a_client_mid_stream_aborts_its_request(kills, reference, dem
     while (state := asyncio.run(engine()))[0] > 0:
         assert time.monotonic() < deadline, "the engine still runs the killed client's request"
         time.sleep(0.05)
-    assert 0 < state[1] - before < 240, state[1] - before  # it ran, and not to its end
+    assert 0 < state[1] - before < length, state[1] - before  # it ran, and not to its end
     assert rig.daemon.proc.poll() is None
     probe_is_right(rig, reference, demo)

@@ -163,3 +163,23 @@ def test_chat_switches_between_the_demo_adapters_mid_conversation(real_daemon, r
         previous = reply
     child.sendline("/exit")
     child.expect(pexpect.EOF)
+
+
+def test_a_second_demo_build_waits_for_the_first_and_reuses_its_result(real_demo):
+    """Two daemons started at once on a fresh data folder (or two test workers) must not train
+    side by side: the second waits on the build lock, then finds every part stamped."""
+    import fcntl
+    import subprocess
+    import sys
+
+    with open(REAL_DEMO_CACHE / "demo" / ".build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-m", "loractld.instruct_demo", "--data", str(REAL_DEMO_CACHE)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = proc.stdout.readline()
+        assert "another process is building the demo" in first, first
+        assert proc.poll() is None  # still waiting while the lock is held
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, rest
+    assert f"model: {real_demo['model']}" in rest
+    assert "training" not in rest and "converting" not in rest, rest

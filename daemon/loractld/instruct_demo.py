@@ -23,6 +23,8 @@ daemon's memory does not keep the training copy of the model.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -122,11 +124,28 @@ def ensure_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
 
 
 def ensure_instruct_demo(data_dir: Path) -> tuple[Path, dict[str, Path]]:
-    """(model folder, {adapter name: folder}) of the demo, built on first use (in this process)."""
+    """(model folder, {adapter name: folder}) of the demo, built on first use (in this process).
+
+    One build at a time per data folder: a second daemon (or test worker) started meanwhile
+    waits for the first and then finds every part stamped, instead of training again beside it.
+    """
     layout_root = data_dir / "demo"
-    gguf = fetch_gguf(layout_root)
-    model = ensure_converted(gguf, data_dir / "models", name_or_path=MODEL_ID)
-    return model, ensure_adapters(model, layout_root)
+    layout_root.mkdir(parents=True, exist_ok=True)
+    with _build_lock(layout_root / ".build.lock"):
+        gguf = fetch_gguf(layout_root)
+        model = ensure_converted(gguf, data_dir / "models", name_or_path=MODEL_ID)
+        return model, ensure_adapters(model, layout_root)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("another process is building the demo in %s; waiting for it", path.parent)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's close, also when this process dies
 
 
 def build_in_child(data_dir: Path) -> Path:
