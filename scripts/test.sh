@@ -5,9 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Two workers by default (LORACTL_TEST_WORKERS=N to change, 0 for one process): most tests wait
-# on a daemon's start or on a subprocess, so a second worker saves about a third of the wall time.
-workers=${LORACTL_TEST_WORKERS:-2}
-parallel=()
-[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
-exec .venv/bin/python -m pytest -q --durations=15 "${parallel[@]}" "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -276,43 +276,14 @@ class Reference:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). A module's tests
-# stay on one worker, so a module fixture starts one daemon; modules that share a costly session
-# fixture (the real demo's build, the killable rig) share a worker, so it is built once.
-_SHARED_WORKER = {"test_real_model": "real-demo", "test_real_gguf": "real-demo", "test_kill_points": "rig",
-                  "test_fuzz_grpc": "rig", "test_fuzz_http": "rig", "test_socket_group": "rig"}
-# The longest groups first (measured: the demo's build and the three bench engines take minutes),
-# so that no worker is left at the end with one long module while the other idles.
-_LONGEST_FIRST = ("real-demo", "test_bench_smoke", "rig", "test_tiers", "test_faults", "test_orphans",
-                  "test_install_resolves", "test_model_defaults", "test_pull_hub", "test_soak")
-
-
-def _worker_group(item: pytest.Item) -> str:
-    module = item.module.__name__.rsplit(".", 1)[-1]
-    return _SHARED_WORKER.get(module, module)
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item)))
-    rank = {group: i for i, group in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_worker_group(item), len(rank)))  # stable: modules keep their order
-
-
 _real_demo_build: subprocess.Popen | None = None
-
-
-def _real_demo_log() -> Path:
-    # One log per xdist worker: both may ask for the demo; the build's own lock makes one wait.
-    return REAL_DEMO_CACHE / f"build-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
 
 
 def _start_real_demo_build() -> subprocess.Popen:
     global _real_demo_build
     if _real_demo_build is None:
         REAL_DEMO_CACHE.mkdir(parents=True, exist_ok=True)
-        log = open(_real_demo_log(), "w")
+        log = open(REAL_DEMO_CACHE / "build.log", "w")
         _real_demo_build = subprocess.Popen([sys.executable, "-m", "loractld.instruct_demo", "--data",
                                              str(REAL_DEMO_CACHE)], stdout=log, stderr=subprocess.STDOUT, text=True)
     return _real_demo_build
@@ -323,7 +294,7 @@ def real_demo() -> dict:
     """Build (or find) the demo under the cache: {'model': folder, 'adapters': {name: folder}}."""
     build = _start_real_demo_build()
     code = build.wait(1500)
-    output = _real_demo_log().read_text()
+    output = (REAL_DEMO_CACHE / "build.log").read_text()
     assert code == 0, output[-3000:]
     lines = output.splitlines()
     model = Path(next(ln.split(": ", 1)[1] for ln in lines if ln.startswith("model: ")))

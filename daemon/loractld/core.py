@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loractl import __version__
-from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied
+from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
 from loractld.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.engine import Delta, Sampling
 from loractld.events import Event, EventBus, Metrics
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from loractld.tiers import EngineState, Tiers
 
 _log = logging.getLogger("loractld.core")
-_audit = logging.getLogger("loractld.audit")
 ROLES = ("system", "user", "assistant")
 
 
@@ -98,32 +97,6 @@ class UnknownModel(AdapterNotFound):
         super().__init__(f"no adapter named {name!r} in the store", hint)
         self.name = name
         self.close_matches = close_matches
-
-
-@contextlib.asynccontextmanager
-async def audited(principal: str, operation: str, target: str):
-    """One audit line per state-changing call, whichever door it came through, with its outcome."""
-    outcome = "error"  # anything but a clean exit is an error
-    try:
-        yield
-        outcome = "ok"
-    except PermissionDenied:
-        outcome = "denied"
-        raise
-    except LoractlError as e:
-        outcome = f"error: {e.kind}"
-        raise
-    finally:
-        _audit.info("audit %s op=%s target=%s result=%s", principal, operation, _loggable(target), outcome)
-
-
-def _loggable(text: str, limit: int = 200) -> str:
-    """Caller-supplied text for one log line: control characters escaped (a newline in a name
-    must not forge an audit line), and clipped (one request must not write 100 kB of log)."""
-    if text.isprintable() and len(text) <= limit:
-        return text
-    escaped = text[:limit].encode("unicode_escape").decode("ascii")
-    return escaped if len(text) <= limit else f"{escaped}...({len(text)} characters)"
 
 
 class Core:

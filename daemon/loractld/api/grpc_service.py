@@ -24,7 +24,8 @@ from grpclib.exceptions import GRPCError
 from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
-from loractld.core import GenerationRequest, audited
+from loractld.audit import audited
+from loractld.core import GenerationRequest
 from loractld.engine import DEFAULT_MAX_TOKENS, Sampling
 from loractld.views import AdapterView
 

@@ -19,7 +19,8 @@ from starlette.responses import PlainTextResponse
 from loractl.errors import AdapterNotFound, InvalidRequest
 from loractld.api.http.errors import from_domain, unknown_model
 from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from loractld.core import Core, UnknownModel, audited
+from loractld.audit import audited
+from loractld.core import Core, UnknownModel
 from loractld.views import AdapterView
 
 # What a card says of an adapter beyond OpenAI's and vLLM's fields.
