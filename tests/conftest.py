@@ -100,7 +100,7 @@ def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float 
 
 def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Daemon:
     """A daemon of its own under ``home/sub`` (the demo model shared through a link), with these
-    demo adapters pulled under their own names: for modules that pin, remove or fuzz, whose
+    demo adapters pulled under their own names: for modules that pin or remove, whose
     state must not leak into the session daemon's."""
     root = home / sub
     root.mkdir(exist_ok=True)
@@ -171,7 +171,9 @@ class Rig:
         return self.root / "kill-at"
 
     def start(self) -> None:
-        self.daemon = start_daemon(self.root, *self.flags, name="rig", env={"LORACTL_TEST_KILL_AT": str(self.arm)})
+        # Hub pulls fail at once (nothing listens on port 9): the fuzzers send random refs.
+        self.daemon = start_daemon(self.root, *self.flags, name="rig",
+                                   env={"LORACTL_TEST_KILL_AT": str(self.arm), "HF_ENDPOINT": "http://127.0.0.1:9"})
         self.http = json.loads(self.ok("status", "--json").stdout)["http"]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:

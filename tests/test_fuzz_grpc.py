@@ -15,7 +15,6 @@ the module runs in about a minute on two cores.
 from __future__ import annotations
 
 import json
-import os
 
 import grpc
 import pytest
@@ -23,7 +22,6 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from conftest import own_daemon
 from grpcio_stubs import RPCS, channel, field, raw_call, varint
 from loractl.v1 import loractl_pb2 as pb
 
@@ -46,16 +44,10 @@ def fuzz(examples: int):
 
 
 @pytest.fixture(scope="module")
-def fz(home):
-    # Hub pulls fail fast and offline: nothing listens on port 9 (discard).
-    saved = os.environ.get("HF_ENDPOINT")
-    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
-    try:
-        d = own_daemon(home, "fz", [ADAPTER], name="fz")
-    finally:
-        os.environ.pop("HF_ENDPOINT") if saved is None else os.environ.__setitem__("HF_ENDPOINT", saved)
-    yield d
-    d.stop()
+def fz(rig):
+    """conftest's killable rig (its Hub endpoint is a closed port: pulls fail fast and offline)."""
+    rig.pull(ADAPTER)
+    return rig.daemon
 
 
 @pytest.fixture(scope="module")
