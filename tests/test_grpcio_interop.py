@@ -15,9 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import collect, own_daemon
+from conftest import collect
 from grpcio_stubs import RPCS, channel, generate_stubs, wire_error
-from loractl import Client
 from loractl.client import to_dict
 from loractl.errors import AdapterNotFound
 from loractl.v1 import loractl_pb2 as pb
@@ -33,11 +32,10 @@ def stubs():
 
 
 @pytest.fixture(scope="module")
-def own(home):
-    """A daemon of its own: this module pulls, pins and removes."""
-    d = own_daemon(home, "gi", NAMES, name="gi")
-    yield d
-    d.stop()
+def own(rig):
+    """conftest's rig, not the session daemon: this module pulls, pins and removes."""
+    rig.pull(*NAMES)
+    return rig.daemon
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +300,19 @@ def test_stream_deadline_ends_the_request_in_the_daemon(stub, reference):
 
 
 def test_unary_deadline(stub, own):
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.List(pb.ListRequest(), timeout=1e-4)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # A List can answer inside even 100 µs (about one call in five here): try until one runs out
+    # of time; every call either answers or exceeds its deadline, nothing else.
+    codes = []
+    for _ in range(50):
+        try:
+            stub.List(pb.ListRequest(), timeout=1e-4)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                break
+    assert codes[-1] == grpc.StatusCode.DEADLINE_EXCEEDED and set(codes) <= {
+        grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
     # The daemon answers the next call normally. Tiers may still settle from the previous test's
     # requests (the follower reads them within 200 ms), so compare once both reads agree.
     for _ in range(20):
