@@ -123,6 +123,7 @@ class Puller:
             cancel.set()  # the client went away: stop the download, keep holding the lock until it has
             with contextlib.suppress(BaseException):
                 await asyncio.wait([future])
+                future.exception()  # retrieved: its PullCancelled is expected, not a "never retrieved" traceback
             raise
         yield PullEvent("done", message=f"pulled {name} at {resolved.revision[:12]}", adapter=adapter)
 
