@@ -155,6 +155,9 @@ class AsyncLLMSystem:
 
     async def close(self) -> None:
         self.llm.shutdown()
+        # AsyncLLM.__del__ shuts down again at interpreter exit, when the globals it needs are gone
+        # (a TypeError printed at the end of every run); loractld's engine does the same.
+        self.llm.shutdown = lambda *args, **kwargs: None
 
 
 # -- the load -----------------------------------------------------------------------------
