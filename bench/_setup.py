@@ -132,6 +132,14 @@ def vllm_engine(model: str, args):
         max_num_seqs=getattr(args, "max_num_seqs", None)), usage_context=UsageContext.OPENAI_API_SERVER)
 
 
+def shutdown_vllm_engine(llm) -> None:
+    """Stop an engine from :func:`vllm_engine`, once: AsyncLLM.__del__ shuts down again at
+    interpreter exit, when the globals it needs are gone (a TypeError printed at the end of
+    every run); loractld's own engine wrapper does the same."""
+    llm.shutdown()
+    llm.shutdown = lambda *args, **kwargs: None
+
+
 def parse_kv(text: str | None) -> int | None:
     if not text:
         return None

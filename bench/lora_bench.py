@@ -103,10 +103,7 @@ class VllmPath:
         pass  # plain vLLM: no pin policy in the baseline
 
     def close(self) -> None:
-        self.llm.shutdown()
-        # AsyncLLM.__del__ shuts down again at interpreter exit, when the globals it needs are gone
-        # (a TypeError printed at the end of every run); loractld's engine does the same.
-        self.llm.shutdown = lambda *args, **kwargs: None
+        _setup.shutdown_vllm_engine(self.llm)
 
 
 # -- scenarios ---------------------------------------------------------------------------

@@ -154,10 +154,7 @@ class AsyncLLMSystem:
         return _sample(began, stamps, n)
 
     async def close(self) -> None:
-        self.llm.shutdown()
-        # AsyncLLM.__del__ shuts down again at interpreter exit, when the globals it needs are gone
-        # (a TypeError printed at the end of every run); loractld's engine does the same.
-        self.llm.shutdown = lambda *args, **kwargs: None
+        _setup.shutdown_vllm_engine(self.llm)
 
 
 # -- the load -----------------------------------------------------------------------------
