@@ -35,7 +35,7 @@ def summary(values: list[float]) -> dict:
 
 def prepare(model: str, adapters: int, rank: int, workdir: Path) -> tuple[str, list[Path]]:
     """The model folder and ``adapters`` PEFT adapters of ``rank`` fitting it."""
-    from loractld.demo import DemoAdapter, build_adapter, ensure_demo
+    from loractld.models.tiny import DemoAdapter, build_adapter, ensure_demo
 
     if model == "tiny":
         model_dir = ensure_demo(workdir / "tiny") / "model"

@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from loractld.demo import build_tokenizer
+    from loractld.models.tiny import build_tokenizer
 
     tok_dir = Path(tempfile.mkdtemp())
     build_tokenizer(tok_dir)

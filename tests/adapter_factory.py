@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from loractld.demo import DemoAdapter, build_adapter
+from loractld.models.tiny import DemoAdapter, build_adapter
 
 
 def good(demo: Path, dest: Path, name: str = "fresh/v1", rank: int = 8) -> Path:

@@ -36,7 +36,7 @@ ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-le
 @pytest.fixture(scope="session")
 def home() -> Path:
     """A short-path LORACTL_HOME with the demo assets built in it."""
-    from loractld.demo import ensure_demo
+    from loractld.models.tiny import ensure_demo
 
     from loractl import paths
 
@@ -286,7 +286,7 @@ def _start_real_demo_build() -> subprocess.Popen:
     if _real_demo_build is None:
         REAL_DEMO_CACHE.mkdir(parents=True, exist_ok=True)
         log = open(REAL_DEMO_CACHE / "build.log", "w")
-        _real_demo_build = subprocess.Popen([sys.executable, "-m", "loractld.instruct_demo", "--data",
+        _real_demo_build = subprocess.Popen([sys.executable, "-m", "loractld.models.demo", "--data",
                                              str(REAL_DEMO_CACHE)], stdout=log, stderr=subprocess.STDOUT, text=True)
     return _real_demo_build
 

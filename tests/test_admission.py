@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from loractld.admission import AdapterBatching, FirstCome, Gate, make_policy
+from loractld.serving.admission import AdapterBatching, FirstCome, Gate, make_policy
 
 
 class Clock:
@@ -61,7 +61,7 @@ def test_base_requests_and_device_pinned_adapters_never_wait():
         pinned = await arrive(gate, 7)
         assert a.done() and not b.done() and base.done() and pinned.done()
         assert gate.position(gate.queue[0]) == 1 and gate.queue[0].key == 2
-        gate.leave(a.result())
+        gate.finish(a.result())
         await settle()
         assert b.done()
     run(go())
@@ -84,13 +84,13 @@ def test_never_more_adapters_than_places_under_random_traffic(policy):
             elif op < 0.8 and any(t.done() for t in live):
                 task = rng.choice([t for t in live if t.done()])
                 live.remove(task)
-                gate.leave(task.result())
+                gate.finish(task.result())
                 done += 1
             elif op < 0.88 and live:
                 task = rng.choice(live)
                 live.remove(task)
                 if task.done():
-                    gate.leave(task.result())
+                    gate.finish(task.result())
                 else:
                     task.cancel()
                 await settle()
@@ -101,7 +101,7 @@ def test_never_more_adapters_than_places_under_random_traffic(policy):
                     pin.cancel()
                     await settle()
             elif gate.pinned:
-                gate.release(rng.choice(sorted(gate.pinned)))
+                gate.unreserve(rng.choice(sorted(gate.pinned)))
             await settle()
             assert gate.used <= gate.places
         # Drain: end everything admitted until the line is empty.
@@ -111,7 +111,7 @@ def test_never_more_adapters_than_places_under_random_traffic(policy):
             assert ready, "requests wait while nothing runs"
             for task in ready:
                 live.remove(task)
-                gate.leave(task.result())
+                gate.finish(task.result())
             await settle()
         assert not gate.queue and not gate.running and not gate.tickets
         return done
@@ -129,7 +129,7 @@ def test_a_cancelled_waiter_leaves_the_line_and_a_granted_place_moves_on():
         assert [t.key for t in gate.queue] == [3]
         # Granted, then cancelled before it resumed: the place goes on to the next at once.
         d = await arrive(gate, 4)
-        gate.leave(a.result())          # grants c
+        gate.finish(a.result())          # grants c
         c.cancel()
         await settle()
         assert d.done() and gate.running == {4: 1}
@@ -143,7 +143,7 @@ def test_first_come_keeps_arrival_order_even_for_a_running_adapter():
         b = await arrive(gate, 2)
         a2 = await arrive(gate, 1)      # adapter 1 runs, but b came first
         assert not a2.done()
-        gate.leave(a1.result())
+        gate.finish(a1.result())
         await settle()
         assert b.done() and not a2.done()
     run(go())
@@ -162,7 +162,7 @@ def test_batching_joins_a_running_adapter_until_another_waited_too_long():
         late = await arrive(gate, 1)            # the cold one starves: adapter 1 hands over
         assert not late.done()
         for task in hot:
-            gate.leave(task.result())
+            gate.finish(task.result())
         await settle()
         assert cold.done() and not late.done()  # the place went to the starving adapter
         assert cold.result().wait_s == pytest.approx(1.5)
@@ -177,7 +177,7 @@ def test_batching_gives_a_free_place_to_the_biggest_batch_and_admits_it_whole():
         first = await arrive(gate, 1)           # came first, alone
         clock.now = 0.1
         many = [await arrive(gate, 2) for _ in range(3)]
-        gate.leave(running.result())
+        gate.finish(running.result())
         await settle()
         assert all(t.done() for t in many) and not first.done()
         assert gate.running == {2: 3}
@@ -194,7 +194,7 @@ def test_a_device_pin_waits_for_a_place_and_goes_before_queued_requests():
         c = await arrive(gate, 4)
         more_a = await arrive(gate, 1)          # a's adapter stops taking requests: a pin waits
         assert not pin.done() and not c.done() and not more_a.done()
-        gate.leave(a.result())
+        gate.finish(a.result())
         await settle()
         assert pin.done() and gate.pinned == {3} and not c.done()
         # A pinned adapter's requests go straight in; a request of an adapter pinned while it
@@ -202,8 +202,8 @@ def test_a_device_pin_waits_for_a_place_and_goes_before_queued_requests():
         assert (await arrive(gate, 3)).done()
         await gate.reserve(2)
         assert gate.used == 2 and gate.free == 0
-        gate.release(2)
-        gate.leave(b.result())
+        gate.unreserve(2)
+        gate.finish(b.result())
         await settle()
         assert c.done() or more_a.done()
     run(go())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loractl.errors import EngineUnavailable
-from loractld import compat
+from loractld.engine import compat
 
 FIELDS_026 = ("lora_name", "lora_int_id", "lora_path", "lora_local_path", "long_lora_max_len",
               "base_model_name", "tensorizer_config_dict")

@@ -67,7 +67,7 @@ def test_folder_that_is_not_an_adapter(daemon, tmp_path):
 
 
 def test_rank_above_the_daemons_max(daemon, demo, tmp_path):
-    from loractld.demo import DemoAdapter, build_adapter
+    from loractld.models.tiny import DemoAdapter, build_adapter
 
     build_adapter(demo / "model", DemoAdapter("big/v1", rank=32, alpha=32), tmp_path / "big")
     result = run_cli("run", "--socket", str(daemon.socket), "--lora", str(tmp_path / "big"), "hi")

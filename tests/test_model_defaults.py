@@ -141,7 +141,7 @@ GiB = 1 << 30
 
 
 def test_cpu_kv_cache_holds_a_small_models_whole_context():
-    from loractld.cpu_defaults import choose
+    from loractld.models.defaults import choose
 
     chosen = choose(SMOLLM2, 135_000_000, available=20 * GiB)
     assert chosen.dtype == "float32"
@@ -150,7 +150,7 @@ def test_cpu_kv_cache_holds_a_small_models_whole_context():
 
 
 def test_cpu_defaults_for_a_long_context_model_are_capped_and_big_weights_go_bfloat16():
-    from loractld.cpu_defaults import MAX_KV_BYTES, MIN_KV_BYTES, choose
+    from loractld.models.defaults import MAX_KV_BYTES, MIN_KV_BYTES, choose
 
     roomy = choose(LLAMA_8B_128K, 8_000_000_000, available=128 * GiB)
     assert roomy.dtype == "float32" and roomy.kv_cache_bytes == MAX_KV_BYTES  # 128k tokens would need 16 GiB
@@ -166,7 +166,7 @@ def test_cpu_defaults_for_a_long_context_model_are_capped_and_big_weights_go_bfl
 
 
 def test_cpu_defaults_read_a_model_folder(demo):
-    from loractld.cpu_defaults import for_model
+    from loractld.models.defaults import for_model
 
     chosen = for_model(str(demo / "model"), "auto", None)  # the tiny model: 256 context, 2 layers
     assert chosen.dtype == "float32" and chosen.kv_cache_bytes == 256 << 20
@@ -176,8 +176,8 @@ def test_cpu_defaults_read_a_model_folder(demo):
 def test_served_model_name_lets_a_folder_named_otherwise_take_its_adapters(demo, tmp_path):
     """The offline case: an adapter names the Hub id, the model is a local folder without it."""
     from loractl.errors import InvalidAdapter
-    from loractld.basemodel import describe
-    from loractld.validate import validate_adapter
+    from loractld.models.basemodel import describe
+    from loractld.store.validate import validate_adapter
 
     model = tmp_path / "some-folder"
     shutil.copytree(demo / "model", model)

@@ -11,9 +11,9 @@ import gc
 import threading
 from pathlib import Path
 
-from loractld.pulls import Puller
-from loractld.sources import AdapterSource, PullCancelled, RemoteFile, Resolved
-from loractld.store import Store
+from loractld.store.pulls import Puller
+from loractld.store.sources import AdapterSource, PullCancelled, RemoteFile, Resolved
+from loractld.store.disk import Store
 
 
 class EndlessSource(AdapterSource):

@@ -68,7 +68,7 @@ def _shrunken_gguf(src: Path, dst: Path, **overrides) -> Path:
 
 def test_a_gguf_that_asks_for_bos_is_served_with_bos(tmp_path, demo_gguf):
     """transformers' GGUF tokenizer drops add_bos_token; the converted folder must not."""
-    from loractld.gguf_import import inspect
+    from loractld.models.gguf import inspect
 
     gguf = _shrunken_gguf(demo_gguf, tmp_path / "bos.gguf", tokenizer__ggml__add_bos_token=True)
     assert inspect(gguf).add_bos is True
@@ -92,7 +92,7 @@ def test_a_gguf_that_asks_for_bos_is_served_with_bos(tmp_path, demo_gguf):
     finally:
         assert d.stop() == 0
     # The same file again finds the converted copy by its hash and does not convert again.
-    from loractld.gguf_import import ensure_converted
+    from loractld.models.gguf import ensure_converted
 
     assert ensure_converted(gguf, home / "models") == folder
     assert len(list((home / "models").glob("gguf-*"))) == 1
@@ -127,7 +127,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path, demo_gguf, monkeyp
     import shutil as sh
 
     from loractl.errors import DiskFull
-    from loractld import gguf_import
+    from loractld.models import gguf as gguf_import
 
     real = sh.disk_usage
     monkeypatch.setattr(gguf_import.shutil, "disk_usage",
@@ -142,7 +142,7 @@ def test_a_disk_too_small_is_refused_before_writing(tmp_path, demo_gguf, monkeyp
 def test_a_gguf_file_in_a_hub_repo_is_downloaded_converted_and_served(tmp_path, demo_gguf, real_demo, monkeypatch):
     from hub_stub import HubStub
 
-    from loractld.gguf_import import hub_gguf
+    from loractld.models.gguf import hub_gguf
 
     assert hub_gguf("hf://acme/smol-gguf/q4/model.gguf") == ("acme/smol-gguf", "q4/model.gguf")
     assert hub_gguf("acme/smol-gguf/model.gguf") == ("acme/smol-gguf", "model.gguf")

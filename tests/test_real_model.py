@@ -174,7 +174,7 @@ def test_a_second_demo_build_waits_for_the_first_and_reuses_its_result(real_demo
 
     with open(REAL_DEMO_CACHE / "demo" / ".build.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        proc = subprocess.Popen([sys.executable, "-m", "loractld.instruct_demo", "--data", str(REAL_DEMO_CACHE)],
+        proc = subprocess.Popen([sys.executable, "-m", "loractld.models.demo", "--data", str(REAL_DEMO_CACHE)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         first = proc.stdout.readline()
         assert "another process is building the demo" in first, first

@@ -68,7 +68,7 @@ def test_the_ls_fast_path_never_imports_typer_torch_or_vllm(daemon):
 
 def test_cpu_lora_ops_give_no_adapter_rows_no_delta_and_match_upstream_elsewhere():
     import torch
-    from loractld import cpu_fixes
+    from loractld.worker import cpu_fixes
     from vllm.lora.ops.torch_ops import lora_ops
 
     torch.manual_seed(0)
@@ -121,7 +121,7 @@ def test_cpu_lora_ops_give_no_adapter_rows_no_delta_and_match_upstream_elsewhere
 
 
 def test_demo_build_is_deterministic(demo, tmp_path):
-    from loractld.demo import ensure_demo
+    from loractld.models.tiny import ensure_demo
 
     rebuilt = ensure_demo(tmp_path / "demo")
     for f in sorted(p for p in demo.rglob("*") if p.is_file()):

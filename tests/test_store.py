@@ -176,7 +176,7 @@ def test_recover_clears_what_an_install_killed_before_its_rename_left(tmp_path, 
     kills the daemon there) leaves the object, a temporary link (at the root for a bare name, in
     the org folder otherwise) and maybe an org folder with nothing else: the next start clears
     them all, so the bare name "org" does not read as a hand-placed folder that blocks a pull."""
-    from loractld.store import Store
+    from loractld.store.disk import Store
 
     store = Store(tmp_path / "adapters")
     for name in ("bare", "org/v1"):

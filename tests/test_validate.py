@@ -10,8 +10,8 @@ import pytest
 from adapter_factory import broken, good
 from loractl.errors import InvalidAdapter
 from loractl.names import default_name, validate_name
-from loractld.store import DiskFull, Store
-from loractld.validate import base_model_shapes, validate_adapter
+from loractld.store.disk import DiskFull, Store
+from loractld.store.validate import base_model_shapes, validate_adapter
 
 
 def check(folder, demo, **kw):
@@ -61,7 +61,7 @@ def test_disk_full_during_install_loses_nothing(demo, tmp_path, monkeypatch):
         good(demo, staged)
         old = store.install("keep/v1", staged, manifest)
 
-    import loractld.store as store_module
+    import loractld.store.disk as store_module
 
     real_rename = store_module.os.rename
 
@@ -93,7 +93,7 @@ def test_third_party_sources_plug_in_through_entry_points(monkeypatch, demo, tmp
     for this test would prove nothing more)."""
     from importlib.metadata import EntryPoint
 
-    from loractld import sources
+    from loractld.store import sources
 
     class S3Source(sources.LocalFolderSource):
         name = "s3"

@@ -10,7 +10,7 @@ Invariants:
 - Nothing on the request path reads the engine's tier state: a generation resolves its adapter
   from the resolver's in-memory index and only marks the tiers busy (``Tiers.note_activity``);
   the tier follower does the reading, off the path.
-- Every generation passes the admission gate (``loractld.admission``) before the engine sees
+- Every generation passes the admission gate (``loractld.serving.admission``) before the engine sees
   it, and leaves it when it ends however it ends: the engine never holds requests for more
   distinct adapters than the device slots the pins leave free.
 - While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING
 
 from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
-from loractld.admission import WAIT_BUCKETS, Gate, Ticket
-from loractld.engine import Delta, Sampling
+from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
+from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StatusView)
 
 if TYPE_CHECKING:
-    from loractld.adapters import AdapterRef, AdapterResolver
-    from loractld.basemodel import BaseModel
-    from loractld.engine import Engine
-    from loractld.pulls import Puller, PullEvent
-    from loractld.store import Store, StoredAdapter
-    from loractld.tiers import EngineState, Tiers
+    from loractld.store.identity import AdapterRef, AdapterResolver
+    from loractld.models.basemodel import BaseModel
+    from loractld.engine.client import Engine
+    from loractld.store.pulls import Puller, PullEvent
+    from loractld.store.disk import Store, StoredAdapter
+    from loractld.serving.tiers import EngineState, Tiers
 
 _log = logging.getLogger("loractld.core")
 ROLES = ("system", "user", "assistant")
@@ -126,7 +126,7 @@ class Core:
         self._paths_in_use: collections.Counter[str] = collections.Counter()
         self._retired: set[str] = set()  # replaced or removed revisions' folders, deleted once unused
 
-    # -- lifecycle, driven by loractld.server ------------------------------------------
+    # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
         self.catalog = catalog
         self.catalog_ready.set()
@@ -319,7 +319,7 @@ class Core:
                         yield delta
         finally:
             if ticket is not None:
-                gate.leave(ticket)
+                gate.finish(ticket)
             if name:
                 self._serving[name] -= 1
             if adapter:
@@ -465,7 +465,7 @@ class Core:
         """After a new revision of ``name`` is installed: move its pin over, drop the old
         revision from the engine unless a running request still uses it, delete its folder
         once nothing uses it."""
-        from loractld.store import files_digest
+        from loractld.store.disk import files_digest
 
         if previous is not None and self.tiers is not None and self.engine is not None:
             old_id = catalog.resolver.id_for(files_digest(previous.manifest["files"]))

@@ -13,10 +13,10 @@ from pathlib import Path
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
-from loractld.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
+from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
 from loractld.api.http import settings as http_settings
-from loractld.engine import EngineSettings
-from loractld.server import DaemonSettings, serve
+from loractld.engine.client import EngineSettings
+from loractld.lifecycle import DaemonSettings, serve
 
 EPILOG = """\
 examples:

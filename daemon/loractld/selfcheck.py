@@ -17,10 +17,10 @@ from pathlib import Path
 
 
 async def check(device: str) -> int:
-    from loractld.adapters import AdapterRef
-    from loractld.demo import DEMO_ADAPTERS, ensure_demo
-    from loractld.engine import Engine, EngineSettings, Sampling
-    from loractld.validate import validate_adapter
+    from loractld.store.identity import AdapterRef
+    from loractld.models.tiny import DEMO_ADAPTERS, ensure_demo
+    from loractld.engine.client import Engine, EngineSettings, Sampling
+    from loractld.store.validate import validate_adapter
 
     root = ensure_demo(Path(tempfile.mkdtemp(prefix="loractl-selfcheck-")) / "demo")
     adapter_dir = root / "adapters" / DEMO_ADAPTERS[0].name

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loractld.store import StoredAdapter
+    from loractld.store.disk import StoredAdapter
 
 
 @dataclass

@@ -24,9 +24,9 @@ from grpclib.exceptions import GRPCError
 from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
-from loractld.audit import audited
+from loractld.api.audit import audited
 from loractld.core import GenerationRequest
-from loractld.engine import DEFAULT_MAX_TOKENS, Sampling
+from loractld.core import DEFAULT_MAX_TOKENS, Sampling
 from loractld.views import AdapterView
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ from loractl.errors import AdapterNotFound, LoractlError
 from loractld.api.http.errors import HttpError, error_body, from_domain, unknown_model
 from loractld.api.http.protocol import ChatCompletionRequest, CompletionRequest
 from loractld.core import Core, GenerationRequest, Prepared, UnknownModel
-from loractld.engine import Delta, Sampling
+from loractld.core import Delta, Sampling
 
 _log = logging.getLogger("loractld.http")
 

@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidRequest
-from loractld import compat, cpu_fixes, killpoints, vllm_plugin, worker_ext
-from loractld.adapters import AdapterRef
+from loractld import killpoints
+from loractld.engine import compat
+from loractld.worker import cpu_fixes
+from loractld.worker import plugin as vllm_plugin
+from loractld.worker import extension as worker_ext
+from loractld.store.identity import AdapterRef
 
 _log = logging.getLogger("loractld.engine")
 
@@ -174,7 +178,7 @@ class Engine:
         kv_bytes = settings.kv_cache_bytes
         if device == "cpu":
             # vLLM needs both on the CPU; derived from the model and the machine (cpu_defaults).
-            from loractld import cpu_defaults
+            from loractld.models import defaults as cpu_defaults
 
             chosen = cpu_defaults.for_model(settings.model, dtype, kv_bytes)
             dtype, kv_bytes = chosen.dtype, chosen.kv_cache_bytes
@@ -251,7 +255,7 @@ class Engine:
         from vllm.lora.request import LoRARequest
 
         # Keyword arguments only: LoRARequest is serialized by position, and its fields moved
-        # between vLLM releases (loractld.compat).
+        # between vLLM releases (loractld.engine.compat).
         return LoRARequest(**compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=adapter.engine_name,
                                                         engine_id=adapter.engine_id, path=str(adapter.path)))
 
@@ -319,7 +323,7 @@ class Engine:
                                      "Check the prompt's tokens and the sampling parameters.") from e
             raise
 
-    # -- the LoRA tiers (see loractld.worker_ext for the worker side) ------------------
+    # -- the LoRA tiers (see loractld.worker.extension for the worker side) ------------------
     async def lora_state(self, since: int = -1) -> dict:
         """What the worker really holds: host and device ids (LRU order), slots, pins, and
         the tier changes journaled after ``since`` (see worker_ext)."""

@@ -22,22 +22,22 @@ from grpclib.server import Server
 
 from loractl import paths
 from loractl.errors import LoractlError
-from loractld import enginepid
-from loractld.adapters import AdapterResolver
-from loractld.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
+from loractld.engine import pidfile as enginepid
+from loractld.store.identity import AdapterResolver
+from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
 from loractld.api.grpc_service import LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
-from loractld.basemodel import describe
+from loractld.models.basemodel import describe
 from loractld.core import Catalog, Core
-from loractld.engine import Engine, EngineSettings
+from loractld.engine.client import Engine, EngineSettings
 from loractld.publisher import Publisher
-from loractld.pulls import Puller
-from loractld.sources import load_sources
-from loractld.store import Store, remove_partial_writes
+from loractld.store.pulls import Puller
+from loractld.store.sources import load_sources
+from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
-from loractld.tiers import PersistentState, Tiers
-from loractld.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
+from loractld.serving.tiers import PersistentState, Tiers
+from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
 if TYPE_CHECKING:
     from loractld.api.http.server import HttpFrontEnd
@@ -56,7 +56,7 @@ class DaemonSettings:
     socket_group: str | None = None
     served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
     http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
-    admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.admission)
+    admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.serving.admission)
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
@@ -96,18 +96,18 @@ def resolve_model(model: str, home: str | None) -> str:
     """
     layout = paths.layout(home)
     if model == "demo":
-        from loractld.instruct_demo import build_in_child
+        from loractld.models.demo import build_in_child
 
         _log.info("preparing the demo model under %s (the first start fetches, converts and trains: minutes)",
                   layout.data_dir)
         return str(build_in_child(layout.data_dir))
     if model == "tiny":
-        from loractld.demo import ensure_demo
+        from loractld.models.tiny import ensure_demo
 
         _log.info("building the tiny test model under %s (first start only)", layout.tiny_dir)
         return str(ensure_demo(layout.tiny_dir) / "model")
     if model.lower().endswith(".gguf"):
-        from loractld.gguf_import import download_hub_gguf, ensure_converted, hub_gguf
+        from loractld.models.gguf import download_hub_gguf, ensure_converted, hub_gguf
 
         on_hub = hub_gguf(model)
         if on_hub:

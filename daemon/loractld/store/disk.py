@@ -32,7 +32,7 @@ from pathlib import Path
 from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, LoractlError
 from loractl.names import NAME_RE, validate_name
 from loractld import killpoints
-from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
+from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
 SEED_METADATA_FILE = "metadata.json"
@@ -188,7 +188,7 @@ class Store:
 
     def _hand_manifest(self, folder: Path) -> dict:
         """A manifest for a hand-placed adapter, computed (and cached by file stat), never written."""
-        from loractld.sources import sha256_file
+        from loractld.store.sources import sha256_file
 
         files = [folder / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (folder / n).is_file()]
         key = (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))

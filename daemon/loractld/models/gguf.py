@@ -16,7 +16,7 @@ Invariants:
   says so (transformers' conversion can drop that setting, and a model that needs BOS then
   answers in loops). It is checked after writing; a mismatch refuses the model.
 - Disk space for the converted weights is checked before anything is written.
-- The conversion runs in a child process (``python -m loractld.gguf_import``): the daemon's own
+- The conversion runs in a child process (``python -m loractld.models.gguf``): the daemon's own
   memory does not keep the dequantized model, and the child's transformers noise stays out of
   the daemon's log unless it fails.
 """
@@ -196,7 +196,7 @@ def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None =
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=models_dir))
     _log.info("converting %s (%s, %.0fM parameters, %s) to a %s Hugging Face folder: a one-time step",
               path.name, info.architecture, info.parameters / 1e6, "/".join(sorted(info.tensor_types)), info.dtype)
-    cmd = [sys.executable, "-m", "loractld.gguf_import", str(path), str(tmp), "--dtype", info.dtype]
+    cmd = [sys.executable, "-m", "loractld.models.gguf", str(path), str(tmp), "--dtype", info.dtype]
     if name_or_path:
         cmd += ["--name-or-path", name_or_path]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
@@ -303,7 +303,7 @@ def _set_add_bos(folder: Path, add_bos: bool, bos_id: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m loractld.gguf_import",
+    p = argparse.ArgumentParser(prog="python -m loractld.models.gguf",
                                 description="Convert a GGUF file into a Hugging Face folder (loractld's GGUF import).")
     p.add_argument("gguf", type=Path)
     p.add_argument("out", type=Path)

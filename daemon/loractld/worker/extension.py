@@ -135,7 +135,7 @@ def loractl_pin_device(self, lora_id: int) -> bool:
     """Pin an adapter in host RAM and in a device slot (vLLM's own pin); False if it is not
     loaded.
 
-    Safe only behind the daemon's admission gate (loractld.admission): vLLM's scheduler takes
+    Safe only behind the daemon's admission gate (loractld.serving.admission): vLLM's scheduler takes
     up to max_loras distinct adapters into a step whatever is pinned, so with a slot held by
     a pin, a step of max_loras other adapters evicts one of its own adapters mid-step and the
     engine dies (KeyError in punica's convert_mapping). The gate never lets the engine hold

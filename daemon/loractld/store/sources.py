@@ -26,7 +26,7 @@ from pathlib import Path
 
 from loractl.errors import AdapterNotFound, Cancelled, InvalidAdapter, InvalidRequest, LoractlError, SourceUnavailable
 from loractl.names import default_name
-from loractld.validate import CONFIG_FILE, WEIGHTS_FILE
+from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE
 
 _log = logging.getLogger("loractld.sources")
 ENTRY_POINT_GROUP = "loractl.sources"

@@ -6,13 +6,13 @@ shared notes gpu-offline.md), and how each is handled:
   serialized by position. loractl builds it with keyword arguments only, from the fields the
   installed class really has (``lora_request_kwargs``).
 - Prefix-cache keys: 0.26 keys blocks by the adapter's name, 0.32 by name and path. loractl's
-  engine names embed the content digest (loractld.adapters), which is safe under both; this
+  engine names embed the content digest (loractld.store.identity), which is safe under both; this
   module records which one is in force for the logs.
 - 0.26 enables the flashinfer sampler by default and fails without flashinfer: the engine
   sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` on CUDA.
 - Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name, the
-  worker's ``LRUCacheLoRAModelManager`` internals read by loractld.worker_ext, and the CPU
-  ops' -1 wrap fixed by loractld.cpu_fixes.
+  worker's ``LRUCacheLoRAModelManager`` internals read by loractld.worker.extension, and the CPU
+  ops' -1 wrap fixed by loractld.worker.cpu_fixes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ parallel cache:
   room in RAM (a host full of pins, or a step that must evict one of its own adapters, kills
   vLLM's engine);
 - a device pin keeps an adapter in a device slot (and in RAM) for good. It is safe only
-  because the admission gate (``loractld.admission``) holds the slot: the gate's place is
+  because the admission gate (``loractld.serving.admission``) holds the slot: the gate's place is
   taken before the engine pins, and given back only after the engine unpinned. Device pins
   are capped at ``max_loras - 1``, so other adapters always have a slot;
 - pins persist (``state.json``) and, with the preload list, are applied before the daemon
@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Protocol
 
 from loractl.errors import InvalidRequest, LoractlError
-from loractld.adapters import AdapterRef, AdapterResolver
-from loractld.admission import Gate
+from loractld.store.identity import AdapterRef, AdapterResolver
+from loractld.serving.admission import Gate
 from loractld.events import Event, EventBus, Metrics
-from loractld.store import write_json_atomic
+from loractld.store.disk import write_json_atomic
 
 _log = logging.getLogger("loractld.tiers")
 TIERS = ("device", "host", "disk")
@@ -345,7 +345,7 @@ class Tiers:
                 if asked_engine:
                     await self._unpin_in_engine(adapter.engine_id, "device")
                 else:
-                    self.gate.release(adapter.engine_id)
+                    self.gate.unreserve(adapter.engine_id)
             raise
         async with self._lock:
             if current != to:
@@ -370,7 +370,7 @@ class Tiers:
         async with self._lock:
             await self.engine.unpin_adapter(engine_id)
         if pin == "device":
-            self.gate.release(engine_id)
+            self.gate.unreserve(engine_id)
 
     async def repin(self, name: str, old_id: int) -> None:
         """A new revision of a pinned adapter was installed: move the pin over to it."""

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
-from loractld.sources import sha256_file
-from loractld.store import Store, files_digest
-from loractld.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
+from loractld.store.sources import sha256_file
+from loractld.store.disk import Store, files_digest
+from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
 _ID_MASK = (1 << 31) - 1  # vLLM keeps ids in int32 tensors on some paths: stay positive int32
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loractld.validate import base_model_shapes
+from loractld.store.validate import base_model_shapes
 
 _log = logging.getLogger("loractld.basemodel")
 
@@ -27,7 +27,7 @@ class BaseModel:
 
 
 def describe(model_arg: str, resolved: str, served_name: str | None = None) -> BaseModel:
-    from loractld.demo import DEMO_MODEL_ID
+    from loractld.models.tiny import DEMO_MODEL_ID
 
     info = BaseModel(model=resolved, names={model_arg, resolved} | ({served_name} if served_name else set()))
     if model_arg == "tiny":

@@ -234,7 +234,7 @@ def ensure_demo(root: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m loractld.demo",
+        prog="python -m loractld.models.tiny",
         description="Build loractl's embedded demo model and adapters (offline, deterministic).",
     )
     parser.add_argument("out", type=Path, help="folder to build into (model/ and adapters/)")

@@ -190,7 +190,7 @@ class Gate:
 
     # -- requests ----------------------------------------------------------------------------
     async def enter(self, key: int | None, label: str) -> Ticket:
-        """Wait until the request may enter the engine; the ticket must be given to :meth:`leave`
+        """Wait until the request may enter the engine; the ticket must be given to :meth:`finish`
         when the request ends (finished, aborted or failed)."""
         ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock())
         self.tickets[ticket.id] = ticket
@@ -206,11 +206,11 @@ class Gate:
         try:
             await ticket.grant
         except asyncio.CancelledError:
-            self.leave(ticket)   # queued: out of the line; granted meanwhile: the place goes on
+            self.finish(ticket)   # queued: out of the line; granted meanwhile: the place goes on
             raise
         return ticket
 
-    def leave(self, ticket: Ticket) -> None:
+    def finish(self, ticket: Ticket) -> None:
         """The request ended (or gave up waiting). Idempotent."""
         if self.tickets.pop(ticket.id, None) is None:
             return
@@ -239,13 +239,13 @@ class Gate:
             await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self.release(key)
+                self.unreserve(key)
             else:
                 self._pin_waiters.remove((key, waiter))
                 self._pump()
             raise
 
-    def release(self, key: int) -> None:
+    def unreserve(self, key: int) -> None:
         """Drop a device pin's place (after the engine unpinned it). Requests of ``key`` still
         running keep it active, on an ordinary place."""
         self.pinned.discard(key)

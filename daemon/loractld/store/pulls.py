@@ -23,9 +23,9 @@ from pathlib import Path
 
 from loractl.errors import InvalidAdapter
 from loractl.names import validate_name
-from loractld.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
-from loractld.store import StoredAdapter, Store
-from loractld.validate import AdapterFacts
+from loractld.store.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
+from loractld.store.disk import StoredAdapter, Store
+from loractld.store.validate import AdapterFacts
 
 _log = logging.getLogger("loractld.pulls")
 PROGRESS_INTERVAL_S = 0.1

@@ -1,0 +1,1 @@
+"""loractld.serving: admission, tiers and pins: everything that must agree on slot counts."""

@@ -1,0 +1,1 @@
+"""loractld.store: adapters on disk: the store, its sources, pulls, validation, preflight, leases and GC."""
