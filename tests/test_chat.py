@@ -62,11 +62,20 @@ def test_chat_switches_adapter_mid_conversation(daemon, demo, reference):
     child.expect_exact(PROMPT)
     assert say(child, "hello") == first  # a fresh conversation on the base model again
 
-    child.sendline("/lora no-such/v1")
+    child.sendline("/lora chat-sql/v2")  # refused at once, with the name the user may have meant
+    child.expect_exact("no adapter named 'chat-sql/v2'")
+    child.expect_exact("Did you mean 'chat-sql/v1'?")
+    child.expect_exact("still answering with the base model")
     child.expect_exact(PROMPT)
-    child.sendline("hi")
-    child.expect_exact("no adapter named 'no-such/v1'")
-    child.expect_exact(PROMPT)  # the session survives a failed turn
+    child.sendline("/reset")
+    child.expect_exact(PROMPT)
+    child.sendline('"""')  # a message of several lines, as Ollama reads it: here one line, "hello"
+    child.expect_exact("... ")
+    child.sendline("hello")
+    child.expect_exact("... ")
+    child.sendline('"""')
+    child.expect_exact(first)  # the base model still answers: the refused /lora changed nothing
+    child.expect_exact(PROMPT)
 
     child.sendline("/exit")
     child.expect(pexpect.EOF)
@@ -157,3 +166,17 @@ def test_chat_reads_stdin_when_not_a_terminal(daemon, reference):
 def test_chat_without_a_daemon(tmp_path):
     result = run_cli("chat", "--socket", "/tmp/lct-none.sock", input="hi")
     assert result.returncode == 3 and "loractld --model demo" in result.stderr
+
+
+def test_read_message_joins_lines_as_typed():
+    from loractl.cli.chat import read_message
+
+    def lines(*more):
+        it = iter(more)
+        return lambda prompt: next(it)
+
+    assert read_message("hello") == "hello"
+    assert read_message("first \\", lines("second")) == "first \nsecond"
+    assert read_message('"""', lines("a", "b", '"""')) == "a\nb"
+    assert read_message('"""a', lines('b"""')) == "a\nb"
+    assert read_message('"""one line"""') == "one line"

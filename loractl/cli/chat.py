@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -14,14 +16,16 @@ from loractl.cli._common import HomeOpt, SocketOpt, stderr
 from loractl.cli._output import cli_errors, waiting_notice
 from loractl.cli.run import ENGINE_START_TIMEOUT_S
 from loractl.cli._complete import adapter_names
-from loractl.errors import LoractlError
+from loractl.errors import AdapterNotFound, LoractlError
 
 if TYPE_CHECKING:
     from loractl.client import Client
 
 HELP = """\
-/lora NAME   answer with adapter NAME from now on (the conversation is kept)
+/lora NAME   answer with adapter NAME from now on (the conversation is kept);
+             NAME is checked at once, and the adapter stays as it was if it is unknown
 /lora        back to the base model
+\"\"\"          start or end a message of several lines (a line ending in \\ also continues)
 /reset       forget the conversation (keeps the adapter and system prompt)
 /help        this help
 /exit        leave (also /quit, /bye, Ctrl-D); Ctrl-C stops the current reply"""
@@ -128,13 +132,53 @@ def chat(
             client.close()
 
 
+async def check_adapter(client: Client, name: str) -> None:
+    """Raise the error a reply with ``name`` would raise, before any reply: a folder that is not
+    there, or a name the store does not hold (with the names the user may have meant)."""
+    if os.path.isabs(name) or name.startswith(".") or os.path.isdir(name):  # a folder, as generate() reads it
+        if not os.path.isdir(name):
+            raise AdapterNotFound(f"no adapter folder at {name}", "Give a PEFT folder that exists, or a store name.")
+        return
+    try:
+        await client.show(name)
+    except AdapterNotFound as e:
+        stored = [a["name"] for a in await client.list()]
+        close = difflib.get_close_matches(name, stored, n=3, cutoff=0.6)
+        hint = (f"Did you mean {' or '.join(repr(c) for c in close)}? " if close else "") + \
+            "loractl ls lists the store; /lora alone goes back to the base model."
+        raise AdapterNotFound(e.message, hint) from e
+
+
+def read_message(first: str, read_line=input) -> str:
+    """A message as typed: one line; or lines up to a closing \"\"\" when the first starts with \"\"\";
+    or lines joined while each ends in a backslash (as Ollama's CLI reads them)."""
+    if first.startswith('"""'):
+        body = first[3:]
+        if body.rstrip().endswith('"""') and body.strip() != "":
+            return body.rstrip()[:-3].strip()
+        lines = [body] if body.strip() else []
+        while True:
+            line = read_line("... ")
+            if line.rstrip().endswith('"""'):
+                lines.append(line.rstrip()[:-3])
+                return "\n".join(lines).strip()
+            lines.append(line)
+    lines = []
+    line = first
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = read_line("... ")
+    lines.append(line)
+    return "\n".join(lines).strip()
+
+
 def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, max_tokens: int,
                  temperature: float, home: str | None) -> None:
     _enable_line_editing(home)
     stderr.print(f"[dim]chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave[/]")
     while True:
         try:
-            text = input(">>> ").strip()
+            text = read_message(input(">>> ").strip())
         except EOFError:
             sys.stdout.write("\n")
             return
@@ -163,7 +207,17 @@ def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str
             convo.turns.clear()
             stderr.print("[dim]conversation cleared[/]")
         elif command == "/lora":
-            convo.lora = arg.strip() or None
+            wanted = arg.strip() or None
+            if wanted is not None:
+                try:
+                    runner.run(check_adapter(client, wanted))
+                except LoractlError as e:
+                    # Refused now, not after the user has typed the next message.
+                    stderr.print(f"[bold red]error:[/] {e.message}")
+                    stderr.print(f"[dim]hint:[/] {e.hint}")
+                    stderr.print(f"[dim]still answering with {convo.lora or 'the base model'}[/]")
+                    return None
+            convo.lora = wanted
             stderr.print(f"[dim]now answering with {convo.lora or 'the base model'}[/]")
         else:
             stderr.print(f"[red]unknown command {command}[/]; /help lists them")
