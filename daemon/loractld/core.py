@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
 from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
+from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
@@ -451,7 +452,12 @@ class Core:
             stored = await asyncio.to_thread(self.catalog.store.list)
             self.metrics.set("loractl_tier_bytes", (("tier", "disk"),), sum(a.size_bytes for a in stored))
             self.metrics.set("loractl_tier_adapters", (("tier", "disk"),), len(stored))
-        return self.metrics.render() + (self.engine.prometheus_text() if self.engine is not None else "")
+        if self.engine is None:
+            return self.metrics.render()
+        # What routers score this daemon by, counted at the gate and named as clients name them.
+        return self.metrics.render() + scheduler_series(
+            self.gate, self.engine.settings.max_loras, self.engine.prometheus_text(),
+            self.served_model_name or self.engine.settings.model)
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
