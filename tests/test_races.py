@@ -117,18 +117,18 @@ def test_saved_pins_beyond_the_caps_are_dropped_at_start_and_ready_comes(tmp_pat
     the rest with a warning and an event, and never waits in the gate (before the fix,
     apply_startup waited in gate.reserve for ever with more device pins than places)."""
     state = PersistentState(tmp_path / "state.json")
-    state.device_pins, state.pins = ["a", "b"], ["c"]
+    state.device_pins, state.pins = ["a", "b", "c"], ["d"]   # 3 device pins: more than the 2 places
     state.save()
 
     async def go():
-        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=2)   # 1 device pin, 0 host pins
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=2, names=("a", "b", "c", "d"))  # caps: 1 device, 0 host
         events = tiers.events.subscribe()
         failures = await asyncio.wait_for(tiers.apply_startup([]), timeout=10)
         assert tiers.state.device_pins == ["a"] and tiers.state.pins == []
-        assert [f.split(":")[0] for f in failures] == ["pin b", "pin c"]
+        assert [f.split(":")[0] for f in failures] == ["pin b", "pin c", "pin d"]
         assert all("dropped" in f for f in failures)
         dropped = [events.get_nowait() for _ in range(events.qsize())]
-        assert {(e.kind, e.adapter) for e in dropped} >= {("FAILED", "b"), ("FAILED", "c")}
+        assert {(e.kind, e.adapter) for e in dropped} >= {("FAILED", "b"), ("FAILED", "c"), ("FAILED", "d")}
         assert tiers.gate.pinned == {1} and tiers.gate.free == 1
         saved = PersistentState(tmp_path / "state.json")
         assert (saved.device_pins, saved.pins) == (["a"], [])
