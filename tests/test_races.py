@@ -151,3 +151,81 @@ def test_a_cancelled_load_does_not_stay_loading(tmp_path):
             await load
         assert tiers.usage["a"].state == "ready"
     asyncio.run(go())
+
+
+# -- the store: leases, installs in flight and GC, on disk ---------------------------------------
+def _stage_and_install(store, name: str, content: bytes):
+    """Install an adapter-shaped folder (the store does not validate; the puller does)."""
+    import hashlib
+
+    with store.staging() as staged:
+        files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": content}
+        for fname, data in files.items():
+            (staged / fname).write_bytes(data)
+        records = [{"name": f, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for f, d in files.items()]
+        return store.install(name, staged, {"name": name, "source": "local", "ref": name, "revision": "r",
+                                            "files": records})
+
+
+def test_a_gc_during_an_install_leaves_the_new_object_alone(tmp_path):
+    """A GC (from an rm, a request ending, another pull) between the install's rename into
+    .objects/ and its link swap: before the fix it deleted the object as unreferenced, the pull
+    failed with FileNotFoundError and left the name a dangling link."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loractld.store.disk import Store
+
+    store = Store(tmp_path / "adapters")
+    with testhooks.armed("store-installed") as point, ThreadPoolExecutor(1) as pool:
+        installing = pool.submit(_stage_and_install, store, "fresh", b"weights")
+        point.wait_reached()
+        assert store.collect_garbage() == []
+        point.release()
+        installed = installing.result(timeout=30)
+    assert (installed.path / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert [a.name for a in store.list()] == ["fresh"]
+
+
+def test_rm_and_a_replacing_install_keep_a_leased_folder_until_its_lease_goes(tmp_path):
+    """What a request that resolved its adapter holds (its lease) survives an rm and a new
+    revision, and goes when the lease does; an unleased one goes at once."""
+    from loractld.store.disk import Store
+
+    store = Store(tmp_path / "adapters")
+    old = _stage_and_install(store, "a/v1", b"one")
+    lease = store.lease(old.path)
+    new = _stage_and_install(store, "a/v1", b"two")         # a replacing pull
+    store.collect_garbage()
+    assert old.path.is_dir() and new.path.is_dir()
+    lease.release()
+    assert not old.path.exists()                             # retired, unleased: deleted
+    lease = store.lease(new.path)
+    store.remove("a/v1")                                     # rm between resolve and run
+    assert new.path.is_dir()
+    store.collect_garbage()
+    assert new.path.is_dir()
+    del lease                                                # prepared and never run: dropped
+    assert not new.path.exists()
+    assert list(store.objects.iterdir()) == []
+
+
+def test_an_unreadable_manifest_costs_that_adapter_only(tmp_path, caplog):
+    from loractl.errors import InvalidAdapter
+    from loractld.store.disk import MANIFEST_FILE, Store
+
+    store = Store(tmp_path / "adapters")
+    good = _stage_and_install(store, "good/v1", b"one")
+    bad = _stage_and_install(store, "bad/v1", b"two")
+    (bad.path / MANIFEST_FILE).write_text("{not json")
+    store = Store(tmp_path / "adapters")                     # a restart
+    with caplog.at_level("WARNING", logger="loractld.store"):
+        store.recover()
+        listed = {a.name: a for a in store.list()}
+        store.list()
+    assert sorted(listed) == ["bad/v1", "good/v1"] and "damaged" in listed["bad/v1"].manifest
+    assert len([r for r in caplog.records if "damaged" in r.getMessage()]) == 1
+    assert bad.path.is_dir() and good.path.is_dir()          # set aside, not collected
+    with pytest.raises(InvalidAdapter, match="damaged"):
+        store.get("bad/v1")
+    store.remove("bad/v1")
+    assert [a.name for a in store.list()] == ["good/v1"] and not bad.path.exists()

@@ -414,13 +414,18 @@ class Tiers:
             await self._unpin_in_engine(old_id, to)
             await self.pin(name, to, reason="new revision")
 
-    async def forget(self, name: str, adapter: AdapterRef) -> bool:
-        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded."""
+    async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
+        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded.
+        ``unload`` False: another name has the same content (the same adapter in the engine),
+        which stays loaded."""
         pin = self.state.pin_of(name)
         if pin:
             await self._unpin_in_engine(adapter.engine_id, pin)
             self.state.set_pin(name, "")
             self.events.publish(Event("UNPINNED", name, reason="rm"))
+        if not unload:
+            self.usage.pop(name, None)
+            return False
         async with self._lock:
             for tier in ("host", "device"):
                 self._reasons[(adapter.engine_id, tier)] = "rm"
