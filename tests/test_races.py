@@ -176,7 +176,7 @@ def test_a_gc_during_an_install_leaves_the_new_object_alone(tmp_path):
     from loractld.store.disk import Store
 
     store = Store(tmp_path / "adapters")
-    with testhooks.armed("store-installed") as point, ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool, testhooks.armed("store-installed") as point:
         installing = pool.submit(_stage_and_install, store, "fresh", b"weights")
         point.wait_reached()
         assert store.collect_garbage() == []
