@@ -9,6 +9,7 @@ real ``Store`` and GC on disk; the request races run a real daemon with a real e
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,3 +230,76 @@ def test_an_unreadable_manifest_costs_that_adapter_only(tmp_path, caplog):
         store.get("bad/v1")
     store.remove("bad/v1")
     assert [a.name for a in store.list()] == ["good/v1"] and not bad.path.exists()
+
+
+# -- requests against rm and replacing pulls, on a real daemon -----------------------------------
+@pytest.fixture(scope="module")
+def paused(home):
+    """A daemon of its own with pause points armable through files (loractld/testhooks.py)."""
+    from conftest import start_daemon
+
+    root = home / "races"
+    root.mkdir(exist_ok=True)
+    (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
+    pauses = root / "pauses"
+    pauses.mkdir(exist_ok=True)
+    d = start_daemon(root, name="races", env={testhooks.ENV: str(pauses)})
+    d.pauses = pauses
+    yield d
+    d.stop()
+
+
+def _wait_for(path: Path, proc, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path.name} not reached"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("change", ["rm --force", "replacing pull"])
+def test_a_request_resolved_before_an_rm_or_a_new_revision_gets_its_answer(paused, demo, reference, change):
+    """The request resolved its adapter, then (held at the "resolved" pause) its name is removed
+    or pulled anew before it runs. Before the fix, the rm's GC deleted the folder the request
+    then handed vLLM, and the engine died; now the folder stays leased until the request ends,
+    the answer is the old content's, the engine lives, and then the folder goes."""
+    import subprocess
+
+    from conftest import BIN, run_cli
+
+    name = "raced/v1"
+    sock = str(paused.socket)
+    assert run_cli("pull", str(demo / "adapters" / "poet" / "v1"), "--name", name, "--socket", sock).returncode == 0
+    shown = run_cli("show", name, "--json", "--socket", sock)
+    folder = Path(json.loads(shown.stdout)["path"])
+    # Out of the engine too: the run must load it from its folder again.
+    assert run_cli("evict", name, "--from", "host", "--socket", sock).returncode == 0
+    arming = paused.pauses / "resolved"
+    arming.touch()
+    request = subprocess.Popen([str(BIN / "loractl"), "run", "--lora", name, "-t", "0", "-n", "12", "hi",
+                                "--socket", sock], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused.pauses / "resolved.reached", request)
+        if change == "rm --force":
+            assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
+        else:
+            assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name,
+                           "--socket", sock).returncode == 0
+        assert folder.is_dir()                               # leased: kept
+    finally:
+        arming.unlink(missing_ok=True)
+        (paused.pauses / "resolved.reached").unlink(missing_ok=True)
+    out, err = request.communicate(timeout=120)
+    assert request.returncode == 0, (err, paused.log_tail())
+    expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "poet" / "v1", 12)
+    assert out == reference.text(expected) + "\n"
+    status = run_cli("status", "--json", "--socket", sock)
+    assert status.returncode == 0 and json.loads(status.stdout)["ready"], paused.log_tail()
+    assert not folder.exists()                               # unleased, unnamed: collected
+    if change == "replacing pull":
+        again = run_cli("run", "--lora", name, "-t", "0", "-n", "12", "hi", "--socket", sock)
+        expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "translator" / "v1", 12)
+        assert again.stdout == reference.text(expected) + "\n"
+        assert run_cli("rm", name, "--socket", sock).returncode == 0
