@@ -303,3 +303,22 @@ def test_a_request_resolved_before_an_rm_or_a_new_revision_gets_its_answer(pause
         expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "translator" / "v1", 12)
         assert again.stdout == reference.text(expected) + "\n"
         assert run_cli("rm", name, "--socket", sock).returncode == 0
+
+
+def test_rm_of_one_name_keeps_the_adapter_another_name_has(paused, demo, reference):
+    """Two names with the same content are one adapter in the engine: rm of one must not unload
+    the other's (before the fix it did, and its next request reloaded it from disk)."""
+    from conftest import run_cli
+
+    sock = str(paused.socket)
+    folder = demo / "adapters" / "sql-expert" / "v1"
+    for name in ("twin/a", "twin/b"):
+        assert run_cli("pull", str(folder), "--name", name, "--socket", sock).returncode == 0
+    assert run_cli("load", "twin/a", "--socket", sock).returncode == 0
+    removed = run_cli("rm", "twin/b", "--socket", sock)
+    assert removed.returncode == 0 and "unloaded" not in removed.stdout, removed.stdout
+    listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", "--socket", sock).stdout)}
+    assert listed["twin/a"]["tier"] == "device", listed["twin/a"]
+    out = run_cli("run", "--lora", "twin/a", "-t", "0", "-n", "8", "hi", "--socket", sock)
+    assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hi"), folder, 8)) + "\n"
+    assert run_cli("rm", "twin/a", "--socket", sock).returncode == 0

@@ -318,7 +318,6 @@ class Store:
         ``keep`` holds them; under the store's lock, so that none of those can change meanwhile."""
         with self.lock:
             referenced = {str(a.path) for a in self.list() if not a.hand_placed} | set(keep)
-            referenced |= {str(p.resolve()) for p in self._links() if p.exists()}
             held = self.leases.kept()
             removed = []
             for obj in self.objects.iterdir():
