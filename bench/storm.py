@@ -91,6 +91,8 @@ async def storm(socket: str, folders: list[Path], *, names: list[str], seconds: 
             else:
                 answer["complete"] = True
             report.requests["cancelled" if cancel and not answer["complete"] else "completed"] += 1
+            if prompt == LONG_PROMPT and answer["ids"]:
+                report.requests["of which over 2,048 characters"] += 1
             if name and answer["folder"] is None and answer["ids"]:
                 report.failures.append(f"an answer for {name} without the adapter's identity")
             if answer["prompt_ids"]:
@@ -171,7 +173,8 @@ async def check_after(socket: str) -> list[str]:
     pinned = {n for n, a in listed.items() if a["pin"]}
     if len(pinned) > cap["max_pins"] + cap["max_device_pins"]:
         failures.append(f"ls shows {sorted(pinned)} pinned, over the caps")
-    if len(device) > cap["device_slots"] and len({listed[n]["path"] for n in device}) > cap["device_slots"]:
+    contents = {tuple(sorted(f["sha256"] for f in listed[n]["files"])) for n in device}  # names may share one
+    if len(contents) > cap["device_slots"]:
         failures.append(f"ls shows {sorted(device)} on the device, {cap['device_slots']} slots")
     admission = status["admission"]
     if admission["pinned"] > admission["places"] - 1:

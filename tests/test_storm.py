@@ -31,6 +31,7 @@ def test_storm_of_commands_and_requests(rig, reference):
     print(f"\nstorm: {summary}")
     assert report.failures == [], (report.failures, rig.daemon.log_tail())
     assert report.requests["completed"] >= 10 and report.requests["cancelled"] >= 1, summary
+    assert report.requests["of which over 2,048 characters"] >= 1, summary
     for kind in ("pull", "rm", "pin host", "pin device", "unpin", "load device", "evict host"):
         assert any(op.startswith(kind) for op in report.operations), (kind, summary)
     assert storm.check_answers(report, reference) == []

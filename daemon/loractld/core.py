@@ -316,11 +316,11 @@ class Core:
         assert catalog is not None and tiers is not None
         if self.draining:
             raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        # This run's own lease: the prepared one is shared by every copy of ``prepared``.
+        lease = prepared.lease.share() if prepared.lease is not None else None
         tiers.note_request(name or (adapter.label if adapter else ""))
         if name:
             self._serving[name] += 1
-        # This run's own lease: the prepared one is shared by every copy of ``prepared``.
-        lease = prepared.lease.share() if prepared.lease is not None else None
         if adapter:
             tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
         gate, ticket = self.gate, None
@@ -339,7 +339,11 @@ class Core:
             if name:
                 self._serving[name] -= 1
             if lease is not None:
-                lease.release()   # the store deletes the folder if it was removed or replaced meanwhile
+                # Both: the prepared lease too, now rather than when the last copy of ``prepared``
+                # is dropped (an exception's traceback can hold it for long). A copy that runs
+                # later takes its own (``share``), or hears that the adapter went.
+                lease.release()
+                prepared.lease.release()
             if adapter:
                 tiers.note_activity()
 

@@ -20,6 +20,8 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+from loractl.errors import AdapterNotFound
+
 
 class Lease:
     """One holder's claim on an adapter folder. ``release`` is idempotent; a lease dropped
@@ -31,8 +33,13 @@ class Lease:
         self._finalizer = weakref.finalize(self, leases._drop, path)
 
     def share(self) -> Lease:
-        """Another lease on the same folder, for another holder (taken while this one holds)."""
-        return self._leases.take(self.path)
+        """Another lease on the same folder, for another holder. Raises AdapterNotFound if the
+        folder went meanwhile (this lease was released, and a GC deleted the folder)."""
+        lease = self._leases.take(self.path)
+        if not self._finalizer.alive and not Path(self.path).is_dir():
+            lease.release()
+            raise AdapterNotFound(f"the adapter at {self.path} was removed meanwhile", "Retry the request.")
+        return lease
 
     def release(self) -> None:
         self._finalizer()
