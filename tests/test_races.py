@@ -236,11 +236,9 @@ def test_an_unreadable_manifest_costs_that_adapter_only(tmp_path, caplog):
 @pytest.fixture(scope="module")
 def paused(home):
     """A daemon of its own with pause points armable through files (loractld/testhooks.py)."""
-    from conftest import start_daemon
+    from conftest import start_daemon, sub_home
 
-    root = home / "races"
-    root.mkdir(exist_ok=True)
-    (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
+    root = sub_home(home, "races")
     pauses = root / "pauses"
     pauses.mkdir(exist_ok=True)
     d = start_daemon(root, name="races", env={testhooks.ENV: str(pauses)})
