@@ -98,14 +98,20 @@ def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float 
     raise RuntimeError(f"loractld not ready after {ready_timeout} s:\n{daemon.log_tail()}")
 
 
-def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Daemon:
-    """A daemon of its own under ``home/sub`` (the demo model shared through a link), with these
-    demo adapters pulled under their own names: for modules that pin or remove, whose
-    state must not leak into the session daemon's."""
+def sub_home(home: Path, sub: str) -> Path:
+    """A home of its own under ``home/sub``, the demo model shared through a link: one daemon per
+    home (loractld locks it), so a second daemon in a session needs one."""
     root = home / sub
     root.mkdir(exist_ok=True)
     (root / "tiny").exists() or (root / "tiny").symlink_to(home / "tiny")
-    d = start_daemon(root, name=name)
+    return root
+
+
+def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Daemon:
+    """A daemon of its own under ``home/sub`` (:func:`sub_home`), with these demo adapters pulled
+    under their own names: for modules that pin or remove, whose state must not leak into the
+    session daemon's."""
+    d = start_daemon(sub_home(home, sub), name=name)
     for adapter in adapters:
         result = run_cli("pull", str(home / "tiny" / "adapters" / adapter), "--name", adapter, "--socket", str(d.socket))
         assert result.returncode == 0, result.stderr

@@ -209,6 +209,32 @@ def test_a_device_pin_waits_for_a_place_and_goes_before_queued_requests():
     run(go())
 
 
+@pytest.mark.parametrize("order", ["cancel-then-free", "free-then-cancel"])
+def test_a_cancelled_device_pin_gives_its_place_back(order):
+    """Ctrl-C on ``pin --to device`` while the only place is busy, in the same loop turn as the
+    request holding it ends (either order): the pin never keeps the place, and the next request
+    for an unpinned adapter goes in. Before the fix: ``pinned={2}``, ``free=0`` for good, and
+    the cancel handler failed with ``list.remove(x): x not in list``."""
+    async def go():
+        gate = checked(Gate(1, FirstCome()))
+        a = await arrive(gate, 1)
+        pin = asyncio.ensure_future(gate.reserve(2))
+        await settle()
+        assert not pin.done()
+        if order == "cancel-then-free":
+            pin.cancel()
+            gate.finish(a.result())
+        else:
+            gate.finish(a.result())     # grants the pin ...
+            pin.cancel()                # ... whose caller goes away before it resumes
+        await settle()
+        assert pin.cancelled()
+        assert gate.pinned == set() and gate.free == 1 and not gate.pins_waiting
+        later = await arrive(gate, 3)
+        assert later.done() and gate.running == {3: 1}
+    run(go())
+
+
 def test_the_gate_refuses_nonsense():
     with pytest.raises(ValueError, match="at least one place"):
         Gate(0, FirstCome())

@@ -12,14 +12,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import collect, run_cli, start_daemon
+from conftest import collect, run_cli, start_daemon, sub_home
 from loractl.errors import Cancelled, DaemonNotRunning
 
 
 @pytest.fixture(scope="module")
 def unfixed_daemon(home):
-    """A second daemon with the CPU fixes off: vLLM 0.32's own behaviour."""
-    d = start_daemon(home, "--no-cpu-fixes", "--shutdown-grace", "1", name="unfixed")
+    """A second daemon with the CPU fixes off: vLLM 0.32's own behaviour (a home of its own:
+    one daemon per home)."""
+    d = start_daemon(sub_home(home, "unfixed"), "--no-cpu-fixes", "--shutdown-grace", "1", name="unfixed")
     yield d
     d.stop()
 
@@ -77,10 +78,23 @@ def test_sigterm_stops_cleanly(unfixed_daemon):
     assert result.returncode == 3
 
 
-def test_second_daemon_on_a_live_socket_is_refused(daemon):
-    result = start_daemon_expect_exit(daemon.home, "--socket", str(daemon.socket))
+def test_second_daemon_on_a_live_socket_is_refused(daemon, tmp_path):
+    home = Path(tempfile.mkdtemp(prefix="lct-2nd-", dir="/tmp"))   # another home: the socket refuses
+    result = start_daemon_expect_exit(home, "--socket", str(daemon.socket))
     assert result[0] == 1
     assert "another daemon is already listening" in result[1]
+
+
+def test_a_second_daemon_on_a_home_in_use_is_refused_before_touching_it(daemon, tmp_path):
+    """Two daemons on one home would recover, GC and write state.json over each other: the
+    second exits at once, naming the first's pid and socket, and leaves the first serving."""
+    other = tmp_path / "other.sock"
+    code, err = start_daemon_expect_exit(daemon.home, "--socket", str(other))
+    assert code == 1 and not other.exists()
+    first = err.strip().splitlines()[0]
+    assert first == (f"loractld: error: another loractld (pid {daemon.proc.pid}, socket {daemon.socket}) already "
+                     f"serves {daemon.home}"), err
+    assert run_cli("status", "--socket", str(daemon.socket)).returncode == 0
 
 
 def start_daemon_expect_exit(home: Path, *args: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import BIN, collect, run_cli, sigint_as_at_a_terminal, start_daemon
+from conftest import BIN, collect, run_cli, sigint_as_at_a_terminal, start_daemon, sub_home
 from hub_stub import HubStub
 from loractl import Client
 from test_errors import assert_one_error
@@ -188,6 +188,7 @@ def test_sigkill_mid_pull_then_restart_and_pull_cleanly(home, hub, demo):
     daemon clears the leftovers, and the same pull then completes."""
     hub.add_commit("acme/killed", files_of(demo / ADAPTERS / "translator" / "v1"))
     release = hub.stall("adapter_model.safetensors", after_bytes=1000, repo="acme/killed")
+    home = sub_home(home, "k")   # one daemon per home: the session daemon's is taken
     d = start_daemon(home, name="k")
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "NO_COLOR": "1"}
     proc = subprocess.Popen([str(BIN / "loractl"), "pull", "acme/killed", "--socket", str(d.socket)],

@@ -151,8 +151,10 @@ def test_symlinks_out_of_the_store_are_refused(daemon, demo):
         shutil.rmtree(outside)
 
 
-def test_rm_deletes_and_unknown_names_get_a_pull_hint(daemon, demo):
-    assert cli(daemon, "pull", str(demo / "adapters" / "poet" / "v1"), "--name", "gone/v1").returncode == 0
+def test_rm_deletes_and_unknown_names_get_a_pull_hint(daemon, demo, tmp_path):
+    # Content no other name has: rm keeps in the engine what another name still resolves to.
+    folder = good(demo, tmp_path / "gone", name="gone/v1")
+    assert cli(daemon, "pull", str(folder), "--name", "gone/v1").returncode == 0
     path = Path(json.loads(cli(daemon, "show", "gone/v1", "--json").stdout)["path"])
     # Load it into the engine, so rm has something to unload.
     assert cli(daemon, "run", "--lora", "gone/v1", "-t", "0", "-n", "4", "hi").returncode == 0

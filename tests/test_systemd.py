@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, ENGINE_FLAGS, run_cli
+from conftest import BIN, ENGINE_FLAGS, run_cli, sub_home
 from loractl.errors import InvalidRequest
 from loractld import config
 from loractld.main import build_parser
@@ -66,7 +66,7 @@ def test_notify_and_socket_activation(home):
     proc = subprocess.Popen(
         ["systemd-socket-activate", "-l", str(sock), *ACTIVATE_ENV, "-E", f"NOTIFY_SOCKET={notify_path}",
          "-E", "WATCHDOG_USEC=1000000",
-         str(BIN / "loractld"), "--model", "tiny", "--home", str(home), *ENGINE_FLAGS],
+         str(BIN / "loractld"), "--model", "tiny", "--home", str(sub_home(home, "sd")), *ENGINE_FLAGS],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     messages: list[str] = []
     try:
@@ -156,7 +156,7 @@ def test_http_socket_activation_and_sigterm_mid_stream(home, reference):
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         ["systemd-socket-activate", "-l", str(sock), "-l", f"127.0.0.1:{port}", *ACTIVATE_ENV,
-         str(BIN / "loractld"), "--model", str(model), "--served-model-name", "tiny", "--home", str(home),
+         str(BIN / "loractld"), "--model", str(model), "--served-model-name", "tiny", "--home", str(sub_home(home, "sh")),
          "--shutdown-grace", "0.5", *ENGINE_FLAGS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:

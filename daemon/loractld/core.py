@@ -15,8 +15,11 @@ Invariants:
   distinct adapters than the device slots the pins leave free.
 - While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
   when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
-- An adapter folder a running request may still need (vLLM reloads from disk after an eviction)
-  is never deleted: a replaced revision's folder goes once no request uses it.
+- An adapter folder a request may still need (vLLM reloads from disk after an eviction) is
+  never deleted: a request takes a lease on its folder where it resolves its adapter
+  (:meth:`Core.prepare`), held until the request ends however it ends; the store owns the
+  leases and its GC (``loractld.store.leases``), and deletes a replaced or removed revision's
+  folder once no name and no lease holds it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
+from loractld import testhooks
 from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
     from loractld.engine.client import Engine
     from loractld.store.pulls import Puller, PullEvent
     from loractld.store.disk import Store, StoredAdapter
+    from loractld.store.leases import Lease
     from loractld.serving.tiers import EngineState, Tiers
 
 _log = logging.getLogger("loractld.core")
@@ -87,6 +92,9 @@ class Prepared:
     name: str | None                # the store name, when the adapter came from the store
     prompt_ids: list[int]
     sampling: Sampling
+    # Holds the adapter's folder from resolve to the request's end (copies share it; it goes
+    # when the last copy does, so a request prepared and never run cannot keep it for good).
+    lease: Lease | None = None
 
 
 class UnknownModel(AdapterNotFound):
@@ -124,8 +132,6 @@ class Core:
         self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
-        self._paths_in_use: collections.Counter[str] = collections.Counter()
-        self._retired: set[str] = set()  # replaced or removed revisions' folders, deleted once unused
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -283,18 +289,27 @@ class Core:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
         adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
         name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
-        if request.messages is not None:
-            if not request.messages:
-                raise InvalidRequest("no messages", "Send at least one message.")
-            for m in request.messages:
-                if m["role"] not in ROLES:
-                    raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
-            prompt_ids = await engine.render_chat(request.messages)
-        elif request.prompt_token_ids is not None:
-            prompt_ids = list(request.prompt_token_ids)
-        else:
-            prompt_ids = await engine.encode(request.prompt)
-        return Prepared(engine, adapter, name, prompt_ids, fitted(request.sampling, len(prompt_ids), engine))
+        # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
+        lease = catalog.store.lease(adapter.path) if adapter is not None else None
+        try:
+            await testhooks.pause("resolved")
+            if request.messages is not None:
+                if not request.messages:
+                    raise InvalidRequest("no messages", "Send at least one message.")
+                for m in request.messages:
+                    if m["role"] not in ROLES:
+                        raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
+                prompt_ids = await engine.render_chat(request.messages)
+            elif request.prompt_token_ids is not None:
+                prompt_ids = list(request.prompt_token_ids)
+            else:
+                prompt_ids = await engine.encode(request.prompt)
+            sampling = fitted(request.sampling, len(prompt_ids), engine)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return Prepared(engine, adapter, name, prompt_ids, sampling, lease)
 
     async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
         """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine."""
@@ -302,11 +317,12 @@ class Core:
         assert catalog is not None and tiers is not None
         if self.draining:
             raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        # This run's own lease: the prepared one is shared by every copy of ``prepared``.
+        lease = prepared.lease.share() if prepared.lease is not None else None
         tiers.note_request(name or (adapter.label if adapter else ""))
         if name:
             self._serving[name] += 1
         if adapter:
-            self._paths_in_use[str(adapter.path)] += 1
             tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
         gate, ticket = self.gate, None
         assert gate is not None
@@ -323,11 +339,13 @@ class Core:
                 gate.finish(ticket)
             if name:
                 self._serving[name] -= 1
+            if lease is not None:
+                # Both: the prepared lease too, now rather than when the last copy of ``prepared``
+                # is dropped (an exception's traceback can hold it for long). A copy that runs
+                # later takes its own (``share``), or hears that the adapter went.
+                lease.release()
+                prepared.lease.release()
             if adapter:
-                path = str(adapter.path)
-                self._paths_in_use[path] -= 1
-                if path in self._retired and not self._paths_in_use[path]:
-                    await self._collect_garbage(catalog)
                 tiers.note_activity()
 
     def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
@@ -390,16 +408,13 @@ class Core:
         unloaded = False
         ref = self._resolve_quietly(catalog, name)
         # The name goes first, so no new request resolves it; the folder stays while a request
-        # that resolved it earlier is still in the engine: vLLM reloads an evicted adapter from
-        # disk mid-request, and a missing folder kills the engine core (found by bench/soak.py).
-        removed = await asyncio.to_thread(catalog.store.remove, name, keep_object=True)
+        # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
+        # mid-request, and a missing folder kills the engine core (found by bench/soak.py).
+        removed = await asyncio.to_thread(catalog.store.remove, name)
         if ref is not None:
-            unloaded = await tiers.forget(name, ref)
-        if not removed.hand_placed:
-            if self._paths_in_use[str(removed.path)]:
-                self._retired.add(str(removed.path))
-            else:
-                await self._collect_garbage(catalog)
+            # Another name with the same content is the same adapter in the engine: keep it there.
+            shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
+            unloaded = await tiers.forget(name, ref, unload=not shared)
         self.events.publish(Event("DELETED_FROM_DISK", name))
         _log.info("removed %s (%s)", name, removed.path)
         return RemovedView(AdapterView.of(removed), unloaded)
@@ -473,19 +488,22 @@ class Core:
         once nothing uses it."""
         from loractld.store.disk import files_digest
 
-        if previous is not None and self.tiers is not None and self.engine is not None:
-            old_id = catalog.resolver.id_for(files_digest(previous.manifest["files"]))
+        if previous is not None and previous.manifest.get("files") and self.tiers is not None and self.engine is not None:
+            old_digest = files_digest(previous.manifest["files"])
+            old_id = catalog.resolver.id_for(old_digest)
             await self.tiers.repin(name, old_id)
-            if not self._paths_in_use[str(previous.path)]:
+            if not catalog.store.leases.held(previous.path) and \
+                    not await asyncio.to_thread(self._other_names_of, catalog, old_digest):
                 await self.engine.remove_adapter(old_id)
-        if previous is not None:
-            self._retired.add(str(previous.path))
-        await self._collect_garbage(catalog)
+        await asyncio.to_thread(catalog.store.collect_garbage)
 
-    async def _collect_garbage(self, catalog: Catalog) -> None:
-        keep = {path for path, count in self._paths_in_use.items() if count > 0}
-        await asyncio.to_thread(catalog.store.collect_garbage, keep)
-        self._retired &= keep
+    @staticmethod
+    def _other_names_of(catalog: Catalog, digest: str) -> list[str]:
+        """Stored names whose content is ``digest`` (they share one adapter in the engine)."""
+        from loractld.store.disk import files_digest
+
+        return [a.name for a in catalog.store.list() if a.manifest.get("files") and
+                files_digest(a.manifest["files"]) == digest]
 
     def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None) -> AdapterView:
         view = AdapterView.of(adapter)

@@ -60,6 +60,43 @@ class DaemonSettings:
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
 
 
+class HomeInUse(LoractlError):
+    kind = "home_in_use"
+    default_hint = "Stop the other daemon first, or give this one another --home."
+
+
+LOCK_FILE = "loractld.lock"
+
+
+def lock_home(data_dir: Path, sock_path: Path) -> int:
+    """Hold the home for this process: a lock on ``<home>/loractld.lock``, taken before
+    anything in the home is touched (socket, recovery, GC, state.json), held until exit (the
+    kernel drops it with the process, however it ends). The file names the holder's pid and
+    socket, for the refusal a second daemon gets. Returns the open descriptor.
+
+    A POSIX record lock (``lockf``), not ``flock``: an ``flock`` belongs to the open file, which
+    vLLM's forked engine processes would share, so an orphaned engine of a SIGKILLed daemon
+    would hold the home against the restart that is to clear it (engine/pidfile.py)."""
+    import fcntl
+    import json
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            holder = {}
+        os.close(fd)
+        raise HomeInUse(f"another loractld (pid {holder.get('pid', '?')}, socket {holder.get('socket', '?')}) "
+                        f"already serves {data_dir}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(sock_path)}).encode(), 0)
+    return fd
+
+
 class SocketInUse(LoractlError):
     kind = "socket_in_use"
     default_hint = "Stop the other daemon (loractl status shows its pid), or pass another --socket."
@@ -153,11 +190,13 @@ def open_state(path: Path, store: Store) -> PersistentState:
     return state
 
 
-def _listeners(systemd: SystemdEnv, settings: DaemonSettings) -> tuple[Path, socket.socket | None,
-                                                                      socket.socket | None]:
-    """The gRPC socket's path, the Unix socket systemd passed (if any), and the HTTP API's
-    listening socket (systemd's TCP socket, else one bound for --http, else None): all
-    claimed or checked before the engine starts, so a taken port or a missing API key fails fast."""
+def _listeners(systemd: SystemdEnv, settings: DaemonSettings, layout: paths.Layout) -> tuple[
+        Path, socket.socket | None, socket.socket | None, int]:
+    """The gRPC socket's path, the Unix socket systemd passed (if any), the HTTP API's
+    listening socket (systemd's TCP socket, else one bound for --http, else None), and the
+    home's lock (:func:`lock_home`, taken once the settings are checked and before anything in
+    the home is touched): all claimed or checked before the engine starts, so a taken port, a
+    missing API key or a home in use fails fast."""
     sock_path = paths.socket_path(settings.socket, settings.home)
     passed = systemd.activated_sockets()
     activated = next((s for s in passed if s.family == socket.AF_UNIX), None)
@@ -166,20 +205,34 @@ def _listeners(systemd: SystemdEnv, settings: DaemonSettings) -> tuple[Path, soc
         http_settings.check_listener(settings.http, *http_sock.getsockname()[:2])
     if activated is not None:
         sock_path = Path(activated.getsockname() or sock_path)
-    else:
-        _claim_socket_path(sock_path)
-    if http_sock is None and settings.http.address is not None:
-        http_sock = http_settings.bind(*settings.http.address)
-    elif http_sock is None and settings.http.api_key is not None:
+    home_lock = lock_home(layout.data_dir, sock_path)
+    try:
+        if activated is None:
+            _claim_socket_path(sock_path)
+        if http_sock is None and settings.http.address is not None:
+            http_sock = http_settings.bind(*settings.http.address)
+    except BaseException:
+        os.close(home_lock)
+        raise
+    if http_sock is None and settings.http.api_key is not None:
         _log.warning("--api-key-file has no effect: the HTTP API is off (no --http, no socket from systemd)")
-    return sock_path, activated, http_sock
+    return sock_path, activated, http_sock, home_lock
 
 
 async def serve(settings: DaemonSettings) -> int:
-    loop = asyncio.get_running_loop()
+    """Run the daemon until stopped; return its exit code. One daemon per home (:func:`lock_home`)."""
     systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
     layout = paths.layout(settings.home)
-    sock_path, activated, http_sock = _listeners(systemd, settings)
+    sock_path, activated, http_sock, home_lock = _listeners(systemd, settings, layout)
+    try:
+        return await _serve_locked(settings, systemd, layout, sock_path, activated, http_sock)
+    finally:
+        os.close(home_lock)
+
+
+async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: paths.Layout, sock_path: Path,
+                        activated: socket.socket | None, http_sock: socket.socket | None) -> int:
+    loop = asyncio.get_running_loop()
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

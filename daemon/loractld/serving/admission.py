@@ -18,7 +18,9 @@ Invariants:
   every step's adapters fit in the device slots next to the pinned ones.
 - A base-model request, or one for a device-pinned adapter, never waits.
 - A waiter that goes away (client gone, deadline, drain) leaves its queue at once; a place
-  granted to it that it did not take is handed on at once.
+  granted to it that it did not take is handed on at once. This holds for device pins too: a
+  pin whose caller was cancelled is never granted, and one granted in the same loop turn as
+  its cancel gives its place back (tests/test_admission.py).
 - A device pin waiting for a place goes first: while one waits, no adapter becomes active and
   active ones take no new requests (they drain, and free the place).
 - The policy only chooses; the bookkeeping above is the gate's, the same for every policy.
@@ -27,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -238,10 +241,14 @@ class Gate:
         try:
             await waiter
         except asyncio.CancelledError:
+            # Granted (the pump set the result) before the cancel reached us: the place was taken
+            # for us, so give it back. Not granted: the pump skips cancelled waiters, so ours may
+            # still be queued, or already dropped by the pump; either way it holds no place.
             if waiter.done() and not waiter.cancelled():
                 self.unreserve(key)
             else:
-                self._pin_waiters.remove((key, waiter))
+                with contextlib.suppress(ValueError):
+                    self._pin_waiters.remove((key, waiter))
                 self._pump()
             raise
 
@@ -256,9 +263,10 @@ class Gate:
         now = self.clock()
         while self._pin_waiters and self.free > 0:
             key, waiter = self._pin_waiters.pop(0)
+            if waiter.done():
+                continue  # its caller was cancelled: a place granted now would never come back
             self.pinned.add(key)
-            if not waiter.done():
-                waiter.set_result(None)
+            waiter.set_result(None)
         progress = True
         while progress and self.queue:
             progress = False

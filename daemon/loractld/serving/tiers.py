@@ -39,6 +39,7 @@ from typing import Protocol
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.store.identity import AdapterRef, AdapterResolver
 from loractld.serving.admission import Gate
+from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
 from loractld.store.disk import write_json_atomic
 
@@ -153,6 +154,7 @@ class Tiers:
         self._last = EngineState()
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
         self._lock = asyncio.Lock()
+        self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
         self._seq = -1                      # the last journal record applied; -1: none read yet
         self._asked = self._answered = 0    # sync tickets handed out / covered by a finished read
         self._read: asyncio.Future | None = None
@@ -276,6 +278,9 @@ class Tiers:
                 await self.engine.add_adapter(adapter)
                 if to == "host":
                     await self.engine.deactivate_adapter(adapter.engine_id)
+            except asyncio.CancelledError:
+                usage.state, usage.error = "ready", ""   # the caller went away: nothing failed
+                raise
             except Exception as e:
                 usage.state, usage.error = "failed", str(e)
                 self.metrics.inc("loractl_adapter_load_failures_total")
@@ -315,54 +320,84 @@ class Tiers:
         """Pin ``name`` in host RAM or in a device slot, for good (until unpinned); persisted.
 
         A device pin first takes a place at the admission gate, which can wait for the
-        adapters now running to finish their requests (new ones queue meanwhile)."""
+        adapters now running to finish their requests (new ones queue meanwhile).
+
+        The caps are checked and a claim recorded with no await between (:meth:`_claim_pin`):
+        of two pins racing for the last place, exactly one gets it, the other a clear error.
+        """
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
         current = self.state.pin_of(name)
-        if to == "host" and current != "host" and len(self.state.pins) >= self.max_pins:
-            raise InvalidRequest(
-                f"cannot pin {name!r} in host RAM: {len(self.state.pins)} of at most {self.max_pins} host pins are "
-                f"in use (max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
-                "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.")
-        if to == "device" and current != "device" and len(self.state.device_pins) >= self.max_device_pins:
-            raise InvalidRequest(
-                f"cannot pin {name!r} to the device: {len(self.state.device_pins)} of at most "
-                f"{self.max_device_pins} device pins are in use (max_loras - 1: other adapters need a slot)",
-                "Unpin one (loractl unpin NAME), pin it --to host, or restart with a larger --max-loras.")
-        if current == "device" and to == "host":
-            await self._unpin_in_engine(adapter.engine_id, "device")
-        if to == "device":
-            await self.gate.reserve(adapter.engine_id)
-        asked_engine = False
+        self._claim_pin(name, to, current)
         try:
-            await self.load(name, "device", reason=reason)
+            await testhooks.pause("pin-claimed")
+            if current == "device" and to == "host":
+                await self._unpin_in_engine(adapter.engine_id, "device")
+            if to == "device":
+                await self.gate.reserve(adapter.engine_id)
+            asked_engine = False
+            try:
+                await self.load(name, "device", reason=reason)
+                async with self._lock:
+                    asked_engine = True
+                    if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
+                        # Evicted again between the load and the pin (a step's lazy load): once more.
+                        await self.engine.add_adapter(adapter)
+                        if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
+                            raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
+                                               "Retry; if it persists, see the daemon's log.")
+            except BaseException:
+                if to == "device" and current != "device":  # the place taken above goes back
+                    if asked_engine:
+                        await self._unpin_in_engine(adapter.engine_id, "device")
+                    else:
+                        self.gate.unreserve(adapter.engine_id)
+                raise
             async with self._lock:
-                asked_engine = True
-                await self.engine.pin_adapter(adapter.engine_id, device=to == "device")
-        except BaseException:
-            if to == "device" and current != "device":  # the place taken above goes back
-                if asked_engine:
-                    await self._unpin_in_engine(adapter.engine_id, "device")
-                else:
-                    self.gate.unreserve(adapter.engine_id)
-            raise
-        async with self._lock:
-            if current != to:
-                self.state.set_pin(name, to)
-            self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-            return (await self.sync()).residency(adapter.engine_id)
+                if current != to:
+                    self.state.set_pin(name, to)
+                self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
+                return (await self.sync()).residency(adapter.engine_id)
+        finally:
+            del self._claims[name]
+
+    def _claim_pin(self, name: str, to: str, current: str) -> None:
+        """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
+        other pin can check between. Counts recorded pins and claims of pins in progress."""
+        if name in self._claims:
+            raise InvalidRequest(f"{name!r} is being pinned or unpinned by another command",
+                                 "Wait for it to finish, then retry.")
+        if to != current:
+            held = {n for n in (self.state.pins if to == "host" else self.state.device_pins)}
+            held |= {n for n, t in self._claims.items() if t == to}
+            held.discard(name)
+            if to == "host" and len(held) >= self.max_pins:
+                raise InvalidRequest(
+                    f"cannot pin {name!r} in host RAM: {len(held)} of at most {self.max_pins} host pins are in use "
+                    f"(max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
+                    "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.")
+            if to == "device" and len(held) >= self.max_device_pins:
+                raise InvalidRequest(
+                    f"cannot pin {name!r} to the device: {len(held)} of at most {self.max_device_pins} device pins "
+                    f"are in use (max_loras - 1: other adapters need a slot)",
+                    "Unpin one (loractl unpin NAME), pin it --to host, or restart with a larger --max-loras.")
+        self._claims[name] = to
 
     async def unpin(self, name: str) -> Residency:
         adapter = self.resolver.resolve(name)
         current = self.state.pin_of(name)
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
-        await self._unpin_in_engine(adapter.engine_id, current)
-        async with self._lock:
-            self.state.set_pin(name, "")
-            self.events.publish(Event("UNPINNED", name))
-            return (await self.sync()).residency(adapter.engine_id)
+        self._claim_pin(name, "", current)
+        try:
+            await self._unpin_in_engine(adapter.engine_id, current)
+            async with self._lock:
+                self.state.set_pin(name, "")
+                self.events.publish(Event("UNPINNED", name))
+                return (await self.sync()).residency(adapter.engine_id)
+        finally:
+            del self._claims[name]
 
     async def _unpin_in_engine(self, engine_id: int, pin: str) -> None:
         """Unpin in the engine, then (device pins) give the gate's place back: in that order, or
@@ -379,13 +414,18 @@ class Tiers:
             await self._unpin_in_engine(old_id, to)
             await self.pin(name, to, reason="new revision")
 
-    async def forget(self, name: str, adapter: AdapterRef) -> bool:
-        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded."""
+    async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
+        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded.
+        ``unload`` False: another name has the same content (the same adapter in the engine),
+        which stays loaded."""
         pin = self.state.pin_of(name)
         if pin:
             await self._unpin_in_engine(adapter.engine_id, pin)
             self.state.set_pin(name, "")
             self.events.publish(Event("UNPINNED", name, reason="rm"))
+        if not unload:
+            self.usage.pop(name, None)
+            return False
         async with self._lock:
             for tier in ("host", "device"):
                 self._reasons[(adapter.engine_id, tier)] = "rm"
@@ -395,13 +435,30 @@ class Tiers:
             self.usage.pop(name, None)
             return removed
 
+    def fit_saved_pins(self) -> list[str]:
+        """Drop the saved pins beyond the caps (after a restart with a lower --max-loras or
+        --max-cpu-loras), the last pinned first; return a warning for each, also published as
+        a FAILED event. Run before any pin is applied: with more device pins than places,
+        re-pinning would wait in the gate for ever, and the daemon would never become ready."""
+        dropped = []
+        for to, pins, cap in (("device", self.state.device_pins, self.max_device_pins),
+                              ("host", self.state.pins, self.max_pins)):
+            for name in pins[cap:]:
+                dropped.append(f"pin {name}: dropped, more {to} pins were saved than the {cap} allowed now")
+                self.events.publish(Event("FAILED", name, reason="restart",
+                                          message=f"{to} pin dropped: over the cap of {cap} {to} pins"))
+            del pins[cap:]
+        if dropped:
+            self.state.save()
+        return dropped
+
     async def apply_startup(self, preload: list[str]) -> list[str]:
         """Re-pin the persisted pins, then load the preload list; return the failures.
 
         A pin or preload that fails (the adapter was removed, or no longer validates) is
         reported and skipped: it never keeps the daemon from serving the others.
         """
-        failures = []
+        failures = self.fit_saved_pins()
         for name in self.pinned_names():
             try:
                 await self.pin(name, self.state.pin_of(name), reason="restart")

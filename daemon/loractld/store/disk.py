@@ -15,6 +15,13 @@ Invariants:
   :meth:`Store.recover` at start-up.
 - Every path the store hands out resolves inside the store root; hand-placed entries that are
   symlinks leading out of it are refused.
+- The store owns its folders' lifetimes under one lock (``Store.lock``): GC deletes an object
+  only if no name links to it, no lease holds it (``loractld.store.leases``: requests that
+  resolved it) and no install has it in flight (renamed into .objects/, link not yet swapped).
+  A folder unlinked by ``rm`` or a replacing pull while leased is *retired*, and deleted when
+  its last lease goes.
+- A damaged pulled adapter (an unreadable manifest) costs that adapter only: it is listed as
+  damaged (:attr:`Store.damaged`), warned about once, and kept out of every listing and GC.
 """
 
 from __future__ import annotations
@@ -23,15 +30,17 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, LoractlError
+from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, InvalidRequest, LoractlError
 from loractl.names import NAME_RE, validate_name
-from loractld import killpoints
+from loractld import killpoints, testhooks
+from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
@@ -95,6 +104,11 @@ class Store:
         for folder in (self.root, self.objects, self.tmp):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[tuple, dict] = {}
+        self.lock = threading.RLock()
+        self.leases = Leases(self.lock)
+        self.leases.on_idle = self._lease_idle
+        self._retired: set[str] = set()     # objects no name links to any more, kept for a lease
+        self.damaged: dict[str, str] = {}   # name -> why its manifest cannot be read
 
     # -- start-up -----------------------------------------------------------------------
     def recover(self) -> list[str]:
@@ -157,7 +171,16 @@ class Store:
                 adapters.append(self._load(name, entry))
             except LoractlError as e:
                 _log.warning("ignoring %s: %s", entry, e.message)
+            except DamagedManifest as e:
+                self._note_damaged(name, str(e))
+                # Listed (ls shows it failed, with why), and its folder kept from GC: set aside.
+                adapters.append(StoredAdapter(name, entry.resolve(), {"files": [], "damaged": str(e)}, False))
         return adapters
+
+    def _note_damaged(self, name: str, why: str) -> None:
+        if self.damaged.get(name) != why:
+            _log.warning("adapter %s is damaged and set aside (%s); loractl rm %s removes it", name, why, name)
+        self.damaged[name] = why
 
     def has(self, name: str) -> bool:
         """Whether ``name`` is a valid name with an adapter in the store (not validated)."""
@@ -169,7 +192,12 @@ class Store:
         if not (entry / CONFIG_FILE).exists():
             raise AdapterNotFound(f"no adapter named {name!r} in the store",
                                   f"Pull it first: loractl pull ORG/REPO --name {name} (loractl ls lists the store).")
-        return self._load(name, entry)
+        try:
+            return self._load(name, entry)
+        except DamagedManifest as e:
+            self._note_damaged(name, str(e))
+            raise InvalidAdapter(f"adapter {name!r} is damaged: {e}",
+                                 f"Remove it (loractl rm {name}) and pull it again.") from e
 
     def _load(self, name: str, entry: Path) -> StoredAdapter:
         real = entry.resolve()
@@ -181,7 +209,13 @@ class Store:
                 raise InvalidAdapter(f"{real / f} is a symlink out of the store", "Copy the file into the store.")
         hand_placed = not entry.is_symlink()
         if not hand_placed:
-            manifest = json.loads((real / MANIFEST_FILE).read_text())
+            try:
+                manifest = json.loads((real / MANIFEST_FILE).read_text())
+                if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+                    raise ValueError("not a loractl manifest")
+            except (OSError, ValueError) as e:
+                raise DamagedManifest(f"{real / MANIFEST_FILE}: {e}") from e
+            self.damaged.pop(name, None)
         else:
             manifest = self._hand_manifest(real)
         return StoredAdapter(name, real, manifest, hand_placed)
@@ -228,7 +262,9 @@ class Store:
                            f"{free} are free in {self.root}")
 
     def install(self, name: str, staged: Path, manifest: dict) -> StoredAdapter:
-        """Move a verified staging folder into the store under ``name``, atomically."""
+        """Move a verified staging folder into the store under ``name``, atomically. From
+        before its rename until its link is swapped, the new object is an install in flight,
+        which no GC deletes; the revision it replaces is retired (deleted once unleased)."""
         validate_name(name)
         entry = self.root / name
         if entry.exists() and not entry.is_symlink():
@@ -236,54 +272,101 @@ class Store:
                                  "Remove that folder, or pull under another --name.")
         records = [r for r in manifest["files"]]
         manifest = {**manifest, "revision_digest": files_digest(records)}
+        obj = self.objects / f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+        with self.lock:
+            self.leases.installing.add(str(obj))
         try:
             write_json_atomic(staged / MANIFEST_FILE, manifest)
             for f in staged.iterdir():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-            obj = self.objects / f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
             os.rename(staged, obj)
             _fsync_dir(self.objects)
             entry.parent.mkdir(parents=True, exist_ok=True)
             link_tmp = entry.parent / f".{entry.name}.{uuid.uuid4().hex[:8]}"
             link_tmp.symlink_to(os.path.relpath(obj, entry.parent))
             killpoints.reached("store-install")
-            os.replace(link_tmp, entry)
+            testhooks.pause_in_thread("store-installed")
+            with self.lock:
+                previous = entry.resolve() if entry.is_symlink() else None
+                os.replace(link_tmp, entry)
+                if previous is not None and previous != obj.resolve():
+                    self._retired.add(str(previous))
             _fsync_dir(entry.parent)
         except OSError as e:
             if e.errno == 28:  # ENOSPC
                 raise DiskFull(f"the disk filled up while installing {name!r}") from e
             raise
+        finally:
+            with self.lock:
+                self.leases.installing.discard(str(obj))
         # The replaced revision's folder stays until collect_garbage: a running request may
         # still need vLLM to reload it from disk.
         return self._load(name, entry)
 
+    def lease(self, path: Path) -> Lease:
+        """A lease on ``path`` (a folder just resolved), so that no GC deletes it while the
+        request that resolved it runs. Raises AdapterNotFound if a GC deleted it meanwhile."""
+        lease = self.leases.take(path)
+        if not path.is_dir():
+            lease.release()
+            raise AdapterNotFound(f"the adapter at {path} was removed meanwhile", "Retry the request.")
+        return lease
+
     def collect_garbage(self, keep: set[str] = frozenset()) -> list[str]:
-        """Delete installed objects no name points to, except the folders in ``keep``."""
-        referenced = {str(a.path) for a in self.list() if not a.hand_placed} | set(keep)
-        removed = []
-        for obj in self.objects.iterdir():
-            if str(obj.resolve()) not in referenced and str(obj) not in referenced:
+        """Delete installed objects no name links to, unless a lease, an install in flight or
+        ``keep`` holds them; under the store's lock, so that none of those can change meanwhile."""
+        with self.lock:
+            referenced = {str(a.path) for a in self.list() if not a.hand_placed} | set(keep)
+            held = self.leases.kept()
+            removed = []
+            for obj in self.objects.iterdir():
+                if {str(obj.resolve()), str(obj)} & (referenced | held):
+                    continue
                 shutil.rmtree(obj, ignore_errors=True)
+                self._retired.discard(str(obj.resolve()))
                 removed.append(str(obj))
-        return removed
+            return removed
+
+    def _lease_idle(self, path: str) -> None:
+        """A folder's last lease went: delete it if it was retired meanwhile (rm, new revision)."""
+        with self.lock:
+            if path not in self._retired or path in self.leases.kept():
+                return
+            self._retired.discard(path)
+            shutil.rmtree(path, ignore_errors=True)
 
     def remove(self, name: str, *, keep_object: bool = False) -> StoredAdapter:
-        """Remove ``name``. With ``keep_object`` a pulled adapter's folder stays for
-        ``collect_garbage`` (requests that resolved it earlier may still need it)."""
-        adapter = self.get(name)
+        """Remove ``name``. A pulled adapter's folder is retired: deleted now unless a lease
+        holds it (or ``keep_object``: left for ``collect_garbage``), else when its last lease goes.
+        A hand-placed adapter a request holds is refused (its folder is the adapter)."""
         entry = self.root / name
-        if adapter.hand_placed:
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-            killpoints.reached("store-unlink")
-            if not keep_object:
-                shutil.rmtree(adapter.path, ignore_errors=True)
-        parent = entry.parent
-        if parent != self.root and not any(parent.iterdir()):
-            parent.rmdir()
+        try:
+            adapter = self.get(name)
+        except InvalidAdapter:
+            if name not in self.damaged:
+                raise
+            adapter = StoredAdapter(name, entry.resolve(), {"files": [], "damaged": self.damaged.pop(name)}, False)
+        with self.lock:
+            if adapter.hand_placed:
+                if self.leases.held(adapter.path):
+                    raise InvalidRequest(f"{name!r} is in use by a request", "Wait for it to finish, then remove it.")
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+                killpoints.reached("store-unlink")
+                self._retired.add(str(adapter.path))
+                if not keep_object and not self.leases.held(adapter.path):
+                    self._retired.discard(str(adapter.path))
+                    shutil.rmtree(adapter.path, ignore_errors=True)
+            parent = entry.parent
+            if parent != self.root and not any(parent.iterdir()):
+                parent.rmdir()
         return adapter
+
+
+class DamagedManifest(Exception):
+    """A pulled adapter's manifest cannot be read (not JSON, not a manifest)."""
 
 
 def files_digest(records: list[dict]) -> str:

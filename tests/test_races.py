@@ -1,0 +1,322 @@
+"""Races between commands and requests, each held open at its racy point by a test-only pause
+(``loractld.testhooks``) rather than left to timing.
+
+The tier races run the real ``Tiers`` and ``Gate`` in front of an engine double (the real
+engine cannot be stopped between two awaits of the daemon on demand); the store races run the
+real ``Store`` and GC on disk; the request races run a real daemon with a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from loractl.errors import InvalidRequest
+from loractld import testhooks
+from loractld.events import EventBus, Metrics
+from loractld.serving.admission import FirstCome, Gate
+from loractld.serving.tiers import PersistentState, Tiers
+
+
+@dataclass(frozen=True)
+class _Ref:
+    label: str
+    engine_id: int
+
+
+class _Resolver:
+    def __init__(self, names: list[str]) -> None:
+        self.refs = {n: _Ref(n, i + 1) for i, n in enumerate(names)}
+
+    def resolve(self, name: str) -> _Ref:
+        return self.refs[name]
+
+    def label_of(self, engine_id: int) -> str | None:
+        return next((n for n, r in self.refs.items() if r.engine_id == engine_id), None)
+
+
+class EngineDouble:
+    """vLLM's two LoRA caches as the worker reports them, no model: only what Tiers reads."""
+
+    def __init__(self, max_loras: int, max_cpu_loras: int) -> None:
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
+        self.host: list[int] = []
+        self.device: list[int] = []
+        self.pinned_host: set[int] = set()
+        self.pinned_device: set[int] = set()
+
+    async def lora_state(self, since: int = -1) -> dict:
+        await asyncio.sleep(0)
+        return {"host": list(self.host), "device": list(self.device), "slots": list(self.device),
+                "pinned_host": sorted(self.pinned_host), "pinned_device": sorted(self.pinned_device),
+                "host_capacity": self.max_cpu_loras, "device_capacity": self.max_loras, "seq": 0}
+
+    async def add_adapter(self, adapter) -> bool:
+        await asyncio.sleep(0)
+        for tier in (self.host, self.device):
+            if adapter.engine_id not in tier:
+                tier.append(adapter.engine_id)
+        return True
+
+    async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
+        await asyncio.sleep(0)
+        (self.pinned_device if device else self.pinned_host).add(engine_id)
+        return True
+
+    async def unpin_adapter(self, engine_id: int) -> bool:
+        self.pinned_host.discard(engine_id)
+        self.pinned_device.discard(engine_id)
+        return True
+
+    async def deactivate_adapter(self, engine_id: int) -> bool:
+        if engine_id in self.device:
+            self.device.remove(engine_id)
+        return True
+
+    async def remove_adapter(self, engine_id: int) -> bool:
+        await self.deactivate_adapter(engine_id)
+        if engine_id in self.host:
+            self.host.remove(engine_id)
+        return True
+
+
+def _tiers(tmp_path: Path, *, max_loras: int, max_cpu_loras: int, names=("a", "b", "c")) -> Tiers:
+    return Tiers(EngineDouble(max_loras, max_cpu_loras), _Resolver(list(names)),
+                 PersistentState(tmp_path / "state.json"), EventBus(), Metrics(), Gate(max_loras, FirstCome()),
+                 max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+
+
+@pytest.mark.parametrize("to", ["host", "device"])
+def test_of_two_concurrent_pins_for_the_last_place_exactly_one_wins(tmp_path, to):
+    """One host-pin place (max_cpu_loras - max_loras = 1) or one device-pin place (max_loras - 1
+    = 1): the first pin is held between its cap check and its record, the second runs into the
+    gap. Before the fix both succeeded (a host full of pins kills the engine; two device pins
+    left no place for unpinned adapters)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        with testhooks.armed("pin-claimed") as point:
+            first = asyncio.ensure_future(tiers.pin("a", to))
+            await point.until_reached()
+            with pytest.raises(InvalidRequest, match=f"of at most 1 {to if to == 'host' else 'device'} pins"):
+                await tiers.pin("b", to)
+            point.release()
+            await first
+        pins = tiers.state.pins if to == "host" else tiers.state.device_pins
+        assert pins == ["a"]
+        assert PersistentState(tmp_path / "state.json").pin_of("a") == to
+        if to == "device":
+            assert tiers.gate.pinned == {1} and tiers.gate.free == 1
+    asyncio.run(go())
+
+
+def test_saved_pins_beyond_the_caps_are_dropped_at_start_and_ready_comes(tmp_path):
+    """state.json from a daemon with larger caps: the start keeps the first pins that fit, drops
+    the rest with a warning and an event, and never waits in the gate (before the fix,
+    apply_startup waited in gate.reserve for ever with more device pins than places)."""
+    state = PersistentState(tmp_path / "state.json")
+    state.device_pins, state.pins = ["a", "b", "c"], ["d"]   # 3 device pins: more than the 2 places
+    state.save()
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=2, names=("a", "b", "c", "d"))  # caps: 1 device, 0 host
+        events = tiers.events.subscribe()
+        failures = await asyncio.wait_for(tiers.apply_startup([]), timeout=10)
+        assert tiers.state.device_pins == ["a"] and tiers.state.pins == []
+        assert [f.split(":")[0] for f in failures] == ["pin b", "pin c", "pin d"]
+        assert all("dropped" in f for f in failures)
+        dropped = [events.get_nowait() for _ in range(events.qsize())]
+        assert {(e.kind, e.adapter) for e in dropped} >= {("FAILED", "b"), ("FAILED", "c"), ("FAILED", "d")}
+        assert tiers.gate.pinned == {1} and tiers.gate.free == 1
+        saved = PersistentState(tmp_path / "state.json")
+        assert (saved.device_pins, saved.pins) == (["a"], [])
+    asyncio.run(go())
+
+
+def test_a_cancelled_load_does_not_stay_loading(tmp_path):
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        started = asyncio.Event()
+
+        async def slow_add(adapter):
+            started.set()
+            await asyncio.sleep(30)
+        tiers.engine.add_adapter = slow_add
+        load = asyncio.ensure_future(tiers.load("a"))
+        await started.wait()
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        assert tiers.usage["a"].state == "ready"
+    asyncio.run(go())
+
+
+# -- the store: leases, installs in flight and GC, on disk ---------------------------------------
+def _stage_and_install(store, name: str, content: bytes):
+    """Install an adapter-shaped folder (the store does not validate; the puller does)."""
+    import hashlib
+
+    with store.staging() as staged:
+        files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": content}
+        for fname, data in files.items():
+            (staged / fname).write_bytes(data)
+        records = [{"name": f, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for f, d in files.items()]
+        return store.install(name, staged, {"name": name, "source": "local", "ref": name, "revision": "r",
+                                            "files": records})
+
+
+def test_a_gc_during_an_install_leaves_the_new_object_alone(tmp_path):
+    """A GC (from an rm, a request ending, another pull) between the install's rename into
+    .objects/ and its link swap: before the fix it deleted the object as unreferenced, the pull
+    failed with FileNotFoundError and left the name a dangling link."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loractld.store.disk import Store
+
+    store = Store(tmp_path / "adapters")
+    with ThreadPoolExecutor(1) as pool, testhooks.armed("store-installed") as point:
+        installing = pool.submit(_stage_and_install, store, "fresh", b"weights")
+        point.wait_reached()
+        assert store.collect_garbage() == []
+        point.release()
+        installed = installing.result(timeout=30)
+    assert (installed.path / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert [a.name for a in store.list()] == ["fresh"]
+
+
+def test_rm_and_a_replacing_install_keep_a_leased_folder_until_its_lease_goes(tmp_path):
+    """What a request that resolved its adapter holds (its lease) survives an rm and a new
+    revision, and goes when the lease does; an unleased one goes at once."""
+    from loractld.store.disk import Store
+
+    store = Store(tmp_path / "adapters")
+    old = _stage_and_install(store, "a/v1", b"one")
+    lease = store.lease(old.path)
+    new = _stage_and_install(store, "a/v1", b"two")         # a replacing pull
+    store.collect_garbage()
+    assert old.path.is_dir() and new.path.is_dir()
+    lease.release()
+    assert not old.path.exists()                             # retired, unleased: deleted
+    lease = store.lease(new.path)
+    store.remove("a/v1")                                     # rm between resolve and run
+    assert new.path.is_dir()
+    store.collect_garbage()
+    assert new.path.is_dir()
+    del lease                                                # prepared and never run: dropped
+    assert not new.path.exists()
+    assert list(store.objects.iterdir()) == []
+
+
+def test_an_unreadable_manifest_costs_that_adapter_only(tmp_path, caplog):
+    from loractl.errors import InvalidAdapter
+    from loractld.store.disk import MANIFEST_FILE, Store
+
+    store = Store(tmp_path / "adapters")
+    good = _stage_and_install(store, "good/v1", b"one")
+    bad = _stage_and_install(store, "bad/v1", b"two")
+    (bad.path / MANIFEST_FILE).write_text("{not json")
+    store = Store(tmp_path / "adapters")                     # a restart
+    with caplog.at_level("WARNING", logger="loractld.store"):
+        store.recover()
+        listed = {a.name: a for a in store.list()}
+        store.list()
+    assert sorted(listed) == ["bad/v1", "good/v1"] and "damaged" in listed["bad/v1"].manifest
+    assert len([r for r in caplog.records if "damaged" in r.getMessage()]) == 1
+    assert bad.path.is_dir() and good.path.is_dir()          # set aside, not collected
+    with pytest.raises(InvalidAdapter, match="damaged"):
+        store.get("bad/v1")
+    store.remove("bad/v1")
+    assert [a.name for a in store.list()] == ["good/v1"] and not bad.path.exists()
+
+
+# -- requests against rm and replacing pulls, on a real daemon -----------------------------------
+@pytest.fixture(scope="module")
+def paused(home):
+    """A daemon of its own with pause points armable through files (loractld/testhooks.py)."""
+    from conftest import start_daemon, sub_home
+
+    root = sub_home(home, "races")
+    pauses = root / "pauses"
+    pauses.mkdir(exist_ok=True)
+    d = start_daemon(root, name="races", env={testhooks.ENV: str(pauses)})
+    d.pauses = pauses
+    yield d
+    d.stop()
+
+
+def _wait_for(path: Path, proc, timeout: float = 60) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path.name} not reached"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("change", ["rm --force", "replacing pull"])
+def test_a_request_resolved_before_an_rm_or_a_new_revision_gets_its_answer(paused, demo, reference, change):
+    """The request resolved its adapter, then (held at the "resolved" pause) its name is removed
+    or pulled anew before it runs. Before the fix, the rm's GC deleted the folder the request
+    then handed vLLM, and the engine died; now the folder stays leased until the request ends,
+    the answer is the old content's, the engine lives, and then the folder goes."""
+    import subprocess
+
+    from conftest import BIN, run_cli
+
+    name = "raced/v1"
+    sock = str(paused.socket)
+    assert run_cli("pull", str(demo / "adapters" / "poet" / "v1"), "--name", name, "--socket", sock).returncode == 0
+    shown = run_cli("show", name, "--json", "--socket", sock)
+    folder = Path(json.loads(shown.stdout)["path"])
+    # Out of the engine too: the run must load it from its folder again.
+    assert run_cli("evict", name, "--from", "host", "--socket", sock).returncode == 0
+    arming = paused.pauses / "resolved"
+    arming.touch()
+    request = subprocess.Popen([str(BIN / "loractl"), "run", "--lora", name, "-t", "0", "-n", "12", "hi",
+                                "--socket", sock], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused.pauses / "resolved.reached", request)
+        if change == "rm --force":
+            assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
+        else:
+            assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name,
+                           "--socket", sock).returncode == 0
+        assert folder.is_dir()                               # leased: kept
+    finally:
+        arming.unlink(missing_ok=True)
+        (paused.pauses / "resolved.reached").unlink(missing_ok=True)
+    out, err = request.communicate(timeout=120)
+    assert request.returncode == 0, (err, paused.log_tail())
+    expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "poet" / "v1", 12)
+    assert out == reference.text(expected) + "\n"
+    status = run_cli("status", "--json", "--socket", sock)
+    assert status.returncode == 0 and json.loads(status.stdout)["ready"], paused.log_tail()
+    assert not folder.exists()                               # unleased, unnamed: collected
+    if change == "replacing pull":
+        again = run_cli("run", "--lora", name, "-t", "0", "-n", "12", "hi", "--socket", sock)
+        expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / "translator" / "v1", 12)
+        assert again.stdout == reference.text(expected) + "\n"
+        assert run_cli("rm", name, "--socket", sock).returncode == 0
+
+
+def test_rm_of_one_name_keeps_the_adapter_another_name_has(paused, demo, reference):
+    """Two names with the same content are one adapter in the engine: rm of one must not unload
+    the other's (before the fix it did, and its next request reloaded it from disk)."""
+    from conftest import run_cli
+
+    sock = str(paused.socket)
+    folder = demo / "adapters" / "sql-expert" / "v1"
+    for name in ("twin/a", "twin/b"):
+        assert run_cli("pull", str(folder), "--name", name, "--socket", sock).returncode == 0
+    assert run_cli("load", "twin/a", "--socket", sock).returncode == 0
+    removed = run_cli("rm", "twin/b", "--socket", sock)
+    assert removed.returncode == 0 and "unloaded" not in removed.stdout, removed.stdout
+    listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", "--socket", sock).stdout)}
+    assert listed["twin/a"]["tier"] == "device", listed["twin/a"]
+    out = run_cli("run", "--lora", "twin/a", "-t", "0", "-n", "8", "hi", "--socket", sock)
+    assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hi"), folder, 8)) + "\n"
+    assert run_cli("rm", "twin/a", "--socket", sock).returncode == 0
