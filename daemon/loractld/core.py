@@ -38,6 +38,7 @@ from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, Invali
 from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
+from loractld.store.preflight import Preflight
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StatusView)
 
@@ -61,6 +62,7 @@ class Catalog:
     resolver: AdapterResolver
     puller: Puller
     base_model: BaseModel
+    preflight: Preflight = field(default_factory=Preflight)
 
 
 @dataclass
@@ -281,6 +283,8 @@ class Core:
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
         adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
+        if adapter is not None:
+            await catalog.preflight.check(adapter.path, adapter.digest, adapter.label)
         name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
         if request.messages is not None:
             if not request.messages:
@@ -419,7 +423,8 @@ class Core:
     async def _tier_op(self, name: str, op) -> AdapterView:
         catalog = await self._wait_catalog()
         _, tiers = await self._wait_engine()
-        self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
+        ref = self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
+        await catalog.preflight.check(ref.path, ref.digest, ref.label)
         await op(tiers)
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)
@@ -488,6 +493,9 @@ class Core:
         except LoractlError as e:
             view.state, view.error = "failed", f"{e.message} ({e.hint})"
             return view
+        refused = catalog.preflight.refusal(ref.digest)
+        if refused is not None:
+            view.state, view.error = "failed", f"{refused.message} ({refused.hint})"
         if state is not None:
             residency = state.residency(ref.engine_id)
             view.tier, view.pinned, view.slot, view.pin = residency.tier, residency.pinned, residency.slot, residency.pin

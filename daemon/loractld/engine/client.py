@@ -329,6 +329,15 @@ class Engine:
         the tier changes journaled after ``since`` (see worker_ext)."""
         return (await self._llm.collective_rpc("loractl_lora_state", args=(since,)))[0]
 
+    async def preflight(self, name: str, engine_id: int, path: str) -> str | None:
+        """Load the adapter at ``path`` in the worker as a step would, and drop it: None if this engine can
+        serve it, else vLLM's reason in one line (see worker_ext.loractl_preflight). Runs
+        between steps, like every utility call; whatever the loader raises is answered here."""
+        from vllm.lora.request import LoRARequest
+
+        kwargs = compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=name, engine_id=engine_id, path=path)
+        return (await self._llm.collective_rpc("loractl_preflight", args=(kwargs,)))[0]
+
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
         added = bool(await self._llm.add_lora(self._lora_request(adapter)))

@@ -8,6 +8,8 @@ Invariants:
   ``Store.install`` (atomic) makes the adapter visible.
 - Checksums are verified against what the source reported (sha256 for LFS files, the git
   blob id for small files, sha256 for local copies) before validation.
+- Once the engine is up, nothing is installed that its own loader refuses (``preflight``);
+  a pull during the engine's start is checked at first use instead.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 from loractl.errors import InvalidAdapter
 from loractl.names import validate_name
 from loractld.store.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
-from loractld.store.disk import StoredAdapter, Store
+from loractld.store.disk import StoredAdapter, Store, files_digest
+from loractld.store.preflight import Preflight
 from loractld.store.validate import AdapterFacts
 
 _log = logging.getLogger("loractld.pulls")
@@ -36,7 +39,7 @@ Validator = Callable[[Path, bool], AdapterFacts]
 
 @dataclass
 class PullEvent:
-    stage: str                  # resolving, downloading, verifying, installing, done, up_to_date
+    stage: str                  # resolving, downloading, verifying, checking, installing, done, up_to_date
     file: str = ""
     done: int = 0
     total: int = 0
@@ -46,10 +49,12 @@ class PullEvent:
 
 
 class Puller:
-    def __init__(self, store: Store, sources: list[AdapterSource], validate: Validator) -> None:
+    def __init__(self, store: Store, sources: list[AdapterSource], validate: Validator,
+                 preflight: Preflight | None = None) -> None:
         self.store = store
         self.sources = sources
         self.validate = validate
+        self.preflight = preflight
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
@@ -103,6 +108,11 @@ class Puller:
                 emit(PullEvent("verifying", message="verifying sha256 digests"))
                 records = verify_files(staged, resolved)
                 facts = self.validate(staged, force)
+                if self.preflight is not None and self.preflight.engine is not None:
+                    emit(PullEvent("checking", message="loading it with the engine's own loader"))
+                    # On the loop, which owns the engine; this thread waits for the answer.
+                    asyncio.run_coroutine_threadsafe(
+                        self.preflight.check(staged, files_digest(records), name), loop).result()
                 if cancel.is_set():
                     raise PullCancelled("the pull was cancelled")
                 emit(PullEvent("installing", message=f"installing {name}"))

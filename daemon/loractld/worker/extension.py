@@ -162,8 +162,54 @@ def loractl_unpin(self, lora_id: int) -> bool:
     return changed
 
 
+def loractl_preflight(self, request_kwargs: dict) -> str | None:
+    """Load an adapter exactly as a step would, for this engine's model and LoRA config, and
+    discard it: None if it would load and fit, else the loader's reason in one line.
+
+    It runs the worker manager's own ``_load_adapter`` (vLLM's PEFTHelper checks against
+    ``max_lora_rank``, the model's expected modules and weights mapper, the vocabulary), then
+    packs it as ``add_adapter`` does and checks every layer against the device buffers it would
+    be copied into. Nothing is registered or activated: the tiers are untouched, and whatever
+    it raises ends here, never in a step.
+    """
+    worker_manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+    mgr = _manager(self)
+    if worker_manager is None or mgr is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    try:
+        lora = worker_manager._load_adapter(LoRARequest(**request_kwargs))
+        mgr._create_merged_loras_inplace(lora)
+        _check_fits(mgr, lora)
+    except Exception as e:  # the answer, not a failure: the adapter is what failed
+        text = (str(e).strip() or type(e).__name__).splitlines()[0]
+        return f"{type(e).__name__}: {text}"
+    return None
+
+
+def _check_fits(mgr: Any, lora: Any) -> None:
+    """Raise if a layer of ``lora`` does not match the buffers ``activate_adapter`` copies it
+    into. vLLM copies into a slice sized by the adapter, so a smaller layer (an adapter for a
+    smaller model) would be served silently wrong and a larger one fails inside a step."""
+    for module_name, module in mgr.modules.items():
+        weights = mgr._get_lora_layer_weights(lora, module_name)
+        stacked_a, stacked_b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        if weights is None or not isinstance(stacked_a, (tuple, list)) or getattr(module, "tp_size", 1) != 1:
+            continue
+        lora_a = weights.lora_a if isinstance(weights.lora_a, (list, tuple)) else [weights.lora_a]
+        lora_b = weights.lora_b if isinstance(weights.lora_b, (list, tuple)) else [weights.lora_b]
+        for a, b, buffer_a, buffer_b in zip(lora_a, lora_b, stacked_a, stacked_b):
+            if a is None or b is None or buffer_a.dim() != 4 or buffer_b.dim() != 4:
+                continue
+            rank, fan_in, fan_out, max_rank = a.shape[0], buffer_a.shape[-1], buffer_b.shape[-2], buffer_a.shape[-2]
+            if a.shape[1] != fan_in or b.shape[0] != fan_out or b.shape[1] != rank or rank > max_rank:
+                raise ValueError(f"module {module_name!r}: the adapter's layer is {b.shape[0]}x{a.shape[1]} at rank "
+                                 f"{rank}, the model's is {fan_out}x{fan_in} (max rank {max_rank})")
+
+
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
-                                   loractl_unpin)}
+                                   loractl_unpin, loractl_preflight)}
 JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 
