@@ -108,3 +108,58 @@ def test_third_party_sources_plug_in_through_entry_points(monkeypatch, demo, tmp
     assert [s.name for s in found] == ["local", "s3", "hf"]
     assert sources.pick_source(found, "s3://bucket/adapter").name == "s3"
     assert sources.pick_source(found, "org/repo").name == "hf"
+
+
+def corpus_adapter(demo, tmp_path, name: str):
+    import peft_corpus
+
+    case = next(c for c in peft_corpus.CASES if c.name == name)
+    peft_corpus.build(case, demo / "model", tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_rank_pattern_adapter_passes_with_its_largest_rank(demo, tmp_path):
+    facts = check(corpus_adapter(demo, tmp_path, "rank-pattern"), demo, force=True)
+    assert facts.rank == 8  # rank_pattern's q_proj, above r=4
+
+
+def test_weights_that_contradict_the_rank_pattern_name_it(demo, tmp_path):
+    import json
+
+    folder = corpus_adapter(demo, tmp_path, "rank-pattern")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"down_proj": 3, "q_proj": 8}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidAdapter, match=r"down_proj' has rank 2/2, but the config \(its rank_pattern\) says 3"):
+        check(folder, demo, force=True)
+
+
+def test_an_embedding_lora_for_a_resized_vocabulary_is_refused_as_added_tokens(demo, tmp_path):
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    folder = corpus_adapter(demo, tmp_path, "embeddings")
+
+    def grow(tensors):
+        key = "base_model.model.model.embed_tokens.base_layer.weight"
+        tensors[key] = torch.cat([tensors[key], torch.zeros(4, tensors[key].shape[1])])
+    replace_tensors(folder, grow)
+    with pytest.raises(InvalidAdapter, match="added tokens"):
+        check(folder, demo, force=True)
+
+
+@pytest.mark.parametrize("key, needle", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "LoRA bias"),
+    ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", "trainable-tokens"),
+    ("base_model.model.lm_head.weight", "a whole module's weights"),
+])
+def test_tensors_of_unservable_features_are_named_even_when_the_config_hides_them(demo, tmp_path, key, needle):
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    folder = replace_tensors(good(demo, tmp_path / "x"), lambda t: t.__setitem__(key, torch.zeros(4, 4)))
+    with pytest.raises(InvalidAdapter, match=needle):
+        check(folder, demo)
