@@ -163,3 +163,36 @@ def test_tensors_of_unservable_features_are_named_even_when_the_config_hides_the
     folder = replace_tensors(good(demo, tmp_path / "x"), lambda t: t.__setitem__(key, torch.zeros(4, 4)))
     with pytest.raises(InvalidAdapter, match=needle):
         check(folder, demo)
+
+
+def test_normalising_renames_keys_and_keeps_every_weight_bit_identical(demo, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from loractld.store.normalize import normalize_folder
+
+    folder = corpus_adapter(demo, tmp_path, "default-keys")
+    before = load_file(folder / "adapter_model.safetensors")
+    assert all(".default." in k for k in before)
+    with pytest.raises(InvalidAdapter, match=r"not in PEFT's standard layout.*'\.default\.'"):
+        check(folder, demo, force=True)  # a folder used in place is refused, with the pull as the way out
+    assert normalize_folder(folder) == ["removed the adapter name '.default.' from the tensor keys"]
+    after = load_file(folder / "adapter_model.safetensors")
+    assert set(after) == {k.replace(".default.", ".") for k in before}
+    assert all(torch.equal(after[k.replace(".default.", ".")], v) for k, v in before.items())
+    check(folder, demo, force=True)
+    assert normalize_folder(folder) == []  # already standard: untouched
+
+
+def test_weights_of_two_adapters_are_refused_not_merged(demo, tmp_path):
+    from adapter_factory import replace_tensors
+    from loractld.store.normalize import normalize_folder
+
+    def two_names(tensors):
+        for key in list(tensors):
+            tensors[key.replace(".lora_A.", ".lora_A.one.").replace(".lora_B.", ".lora_B.one.")] = tensors.pop(key)
+        tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.two.weight"] = \
+            tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.one.weight"].clone()
+    folder = replace_tensors(good(demo, tmp_path / "x"), two_names)
+    with pytest.raises(InvalidAdapter, match=r"several adapters \(one, two\)"):
+        normalize_folder(folder)

@@ -186,10 +186,23 @@ def validate_adapter(
             "Pull an adapter for this model, or add --force if you know the architectures match.",
         )
     tensors = read_safetensors_header(weights)
+    _refuse_unnormalized_keys(list(tensors))
     modules = _check_tensors(tensors, ranks, base_shapes)
     alpha = config.get("lora_alpha", ranks.r)
     return AdapterFacts(rank=ranks.largest, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(ranks.r),
                         target_modules=sorted(modules), base_model=base, peft_config=config)
+
+
+def _refuse_unnormalized_keys(keys: list[str]) -> None:
+    """A folder used in place (``--lora /path``, placed by hand) is never rewritten; a pull
+    normalises these spellings first (``store.normalize``), so this fires for those only."""
+    from loractld.store.normalize import needs_normalizing  # it imports this module
+
+    respelled = needs_normalizing(keys)
+    if respelled:
+        raise InvalidAdapter(f"the tensor keys are not in PEFT's standard layout, which vLLM needs (a pull "
+                             f"{' and '.join(respelled)})",
+                             "Pull it into the store (loractl pull FOLDER --name NAME): the pull rewrites the keys.")
 
 
 _RETRAIN = "Retrain without it, or merge the adapter into the base model (PEFT's merge_and_unload) and serve that model."
