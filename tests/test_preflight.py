@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 from adapter_factory import edit_config, good
 from test_errors import assert_one_error
@@ -70,3 +71,41 @@ def test_a_good_adapter_is_checked_once_and_served(rig, demo, tmp_path, referenc
     rig.ok("run", "-t", "0", "-n", "2", "--lora", str(folder), "hello")  # same content by path: no new run
     assert len(re.findall(r"preflight \S+ \(\w+\): ok in", rig.daemon.log.read_text())) == \
         len(re.findall(r"preflight \S+ \(\w+\): ok in", log))
+
+
+def test_a_load_that_fails_inside_a_step_fails_its_request_and_the_engine_keeps_serving(rig, demo, tmp_path,
+                                                                                          reference):
+    """What slips past preflight (a fault injected in the worker's load, in a step) ends one
+    request with a clear error; the engine survives, the adapter is listed failed and refused
+    after, and every other adapter and the base model are still served exactly."""
+    folder = good(demo, tmp_path / "slips", name="slips-through")
+    other = good(demo, tmp_path / "other", name="slips-other")
+    rig.ok("pull", str(folder), "--name", "slips/v1")
+    rig.ok("pull", str(other), "--name", "slips-other/v1")
+    installed = json.loads(rig.ok("show", "slips/v1", "--json").stdout)["path"]
+    rig.load_fault.write_text(Path(installed).resolve().name)
+    try:
+        result = rig.cli("run", "-t", "0", "-n", "8", "--lora", "slips/v1", "hello")
+        assert not rig.load_fault.exists(), "the fault did not fire: the test proves nothing"
+        assert_one_error(result, 5, "the engine could not load adapter 'slips/v1'", "injected load fault")
+        assert result.stdout == ""  # not one token of the stand-in
+        again = rig.cli("run", "-t", "0", "-n", "8", "--lora", "slips/v1", "hello")
+        assert_one_error(again, 5, "could not load adapter", "injected load fault")
+        listed = {a["name"]: a for a in json.loads(rig.ok("ls", "--json").stdout)}
+        assert listed["slips/v1"]["state"] == "failed" and "injected load fault" in listed["slips/v1"]["error"]
+        out = rig.ok("run", "-t", "0", "-n", "10", "--lora", "slips-other/v1", "hello")
+        assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hello"), other, 10)) + "\n"
+        base_is_reference(rig, reference)
+        # The same through an explicit load (vLLM's add_lora, outside a step).
+        third = good(demo, tmp_path / "third", name="slips-third")
+        rig.ok("pull", str(third), "--name", "slips-third/v1")
+        rig.load_fault.write_text(Path(json.loads(rig.ok("show", "slips-third/v1", "--json").stdout)["path"]).resolve().name)
+        # Tiers wraps what the engine raised in its own error (exit 1), naming the cause.
+        assert_one_error(rig.cli("load", "slips-third/v1"), 1, "could not load adapter 'slips-third/v1'",
+                         "injected load fault")
+        assert_one_error(rig.cli("run", "--lora", "slips-third/v1", "hello"), 5, "injected load fault")
+        base_is_reference(rig, reference)
+    finally:
+        rig.load_fault.unlink(missing_ok=True)
+        for name in ("slips/v1", "slips-other/v1", "slips-third/v1"):
+            rig.cli("rm", name)

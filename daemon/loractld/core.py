@@ -284,7 +284,7 @@ class Core:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
         adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
         if adapter is not None:
-            await catalog.preflight.check(adapter.path, adapter.digest, adapter.label)
+            await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
         name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
         if request.messages is not None:
             if not request.messages:
@@ -424,7 +424,7 @@ class Core:
         catalog = await self._wait_catalog()
         _, tiers = await self._wait_engine()
         ref = self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
-        await catalog.preflight.check(ref.path, ref.digest, ref.label)
+        await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
         await op(tiers)
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)
@@ -493,7 +493,7 @@ class Core:
         except LoractlError as e:
             view.state, view.error = "failed", f"{e.message} ({e.hint})"
             return view
-        refused = catalog.preflight.refusal(ref.digest)
+        refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
         if refused is not None:
             view.state, view.error = "failed", f"{refused.message} ({refused.hint})"
         if state is not None:

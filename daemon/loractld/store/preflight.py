@@ -11,7 +11,9 @@ pulled one that arrived while the engine was starting.
 Invariants:
 - Keyed by content digest: one preflight per content for the engine's life, whatever its
   names or paths; concurrent first uses of one content share one run.
-- A refusal is remembered (``refusal``) and repeated without asking the engine again.
+- A refusal is remembered (``refusal``) and repeated without asking the engine again; so is
+  a failure of the engine to load the content inside a step (``Engine.broken``), which the
+  worker survives (see worker_ext._guarded_load).
 - With no engine attached yet, ``check`` passes without recording anything: the first use
   after the engine is up checks.
 """
@@ -44,16 +46,21 @@ class Preflight:
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
-    def refusal(self, digest: str) -> InvalidAdapter | None:
-        """Why the engine refused this content, if it did."""
+    def refusal(self, digest: str, engine_id: int | None = None, label: str = "") -> InvalidAdapter | None:
+        """Why the engine refused this content, if it did (at preflight, or in a step)."""
+        if digest not in self._refused and self.engine is not None and engine_id in self.engine.broken:
+            from loractld.engine.client import broken_adapter
+
+            self._refused[digest] = broken_adapter(label or digest[:12], self.engine.broken[engine_id])
         return self._refused.get(digest)
 
-    async def check(self, path: Path, digest: str, label: str) -> None:
-        """Raise :class:`InvalidAdapter` if the engine's loader refuses the adapter at ``path``."""
+    async def check(self, path: Path, digest: str, label: str, engine_id: int | None = None) -> None:
+        """Raise :class:`InvalidAdapter` if the engine's loader refuses the adapter at ``path``,
+        or failed to load it in a step (``engine_id``: its id in the engine)."""
+        if self.refusal(digest, engine_id, label) is not None:
+            raise self._refused[digest]
         if digest in self._passed:
             return
-        if digest in self._refused:
-            raise self._refused[digest]
         if self.engine is None:
             return
         running = self._running.get(digest)
