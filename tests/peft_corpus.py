@@ -76,8 +76,10 @@ CASES = [
 ]
 
 
-def build(case: Case, model_dir: Path, dest: Path) -> Path:
-    """Write ``case``'s adapter to ``dest`` as its user has it; return the folder PEFT loads."""
+def build(case: Case, model_dir: Path, dest: Path, scale: float = 0.08) -> Path:
+    """Write ``case``'s adapter to ``dest`` as its user has it; return the folder PEFT loads.
+    ``scale``: the weights' standard deviation (smaller on a deep model, so its output stays
+    text rather than the noise of a large random perturbation)."""
     import torch
     from peft import get_peft_model
     from safetensors.torch import save_file
@@ -89,9 +91,9 @@ def build(case: Case, model_dir: Path, dest: Path) -> Path:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:  # the adapter's own weights, whatever the method calls them
-                scale = 1.0 if "magnitude" in name else 0.08
+                std = 1.0 if "magnitude" in name else scale
                 offset = 1.0 if "magnitude" in name else 0.0
-                param.copy_(offset + scale * torch.randn(param.shape, generator=generator))
+                param.copy_(offset + std * torch.randn(param.shape, generator=generator))
     dest.mkdir(parents=True, exist_ok=True)
     reference = dest.parent / f"{dest.name}.peft"
     model.save_pretrained(reference)
@@ -121,3 +123,7 @@ def _copy(source: Path, dest: Path) -> Path:
     config = json.loads((dest / "adapter_config.json").read_text())
     assert config.get("peft_type"), config
     return dest
+
+
+def case(name: str) -> Case:
+    return next(c for c in CASES if c.name == name)
