@@ -61,6 +61,9 @@ CASES = [
     Case("regex-targets", lambda: _lora(target_modules=r".*\.(q_proj|up_proj)")),
     Case("layers-to-transform", lambda: _lora(layers_to_transform=[1])),
     Case("exclude-modules", lambda: _lora(target_modules="all-linear", exclude_modules=["down_proj", "k_proj"])),
+    # LoRA on a parameter (PEFT's ParamWrapper, made for MoE experts): on a Linear's weight the
+    # same delta, saved under the same keys as LoRA on the module.
+    Case("target-parameters", lambda: _lora(target_modules=[], target_parameters=["mlp.down_proj.weight"])),
     Case("bfloat16", _lora, dtype="bfloat16"),
     Case("float16", _lora, dtype="float16"),
     Case("dora", lambda: _lora(use_dora=True), refused="DoRA (use_dora)"),

@@ -196,3 +196,14 @@ def test_weights_of_two_adapters_are_refused_not_merged(demo, tmp_path):
     folder = replace_tensors(good(demo, tmp_path / "x"), two_names)
     with pytest.raises(InvalidAdapter, match=r"several adapters \(one, two\)"):
         normalize_folder(folder)
+
+
+def test_base_model_shapes_unknown_at_start_are_read_once_the_engine_has_the_model(demo):
+    """A Hub id not yet in the cache has no files when the catalog opens: the shapes are read
+    after the engine's start instead of staying unknown (and the checks off) for good."""
+    from loractld.models.basemodel import BaseModel, refresh_shapes
+
+    info = BaseModel(model=str(demo / "model"), names={"org/not-downloaded-yet"})
+    refresh_shapes(info)
+    assert info.shapes == base_model_shapes(demo / "model")
+    assert "loractl/demo-tiny-llama" in info.names and "org/not-downloaded-yet" in info.names
