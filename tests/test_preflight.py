@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 from adapter_factory import edit_config, good
+from conftest import run_cli
 from test_errors import assert_one_error
 
 
@@ -109,3 +111,39 @@ def test_a_load_that_fails_inside_a_step_fails_its_request_and_the_engine_keeps_
         rig.load_fault.unlink(missing_ok=True)
         for name in ("slips/v1", "slips-other/v1", "slips-third/v1"):
             rig.cli("rm", name)
+
+
+def test_without_the_base_models_shapes_the_engines_loader_still_refuses_a_misfit(demo, tmp_path, reference):
+    """The base model's shapes unknown to loractl (weights it cannot read headers of, as a Hub
+    id not yet downloaded was): loractl's own shape checks are off, and the preflight's check
+    against the engine's buffers refuses an adapter for another model size, wider or narrower
+    (vLLM would copy a narrower one into part of its buffers and serve it wrong, silently)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from adapter_factory import replace_tensors
+    from conftest import start_daemon
+
+    root = Path(tempfile.mkdtemp(prefix="lct-pf-", dir="/tmp"))
+    model = root / "model-bin"
+    shutil.copytree(demo / "model", model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    daemon = start_daemon(root, model=str(model), name="pf")
+    try:
+        def pull(folder, name):
+            return run_cli("pull", str(folder), "--name", name, "--socket", str(daemon.socket))
+
+        key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+        wider = replace_tensors(good(demo, tmp_path / "wider"), lambda t: t.__setitem__(key, torch.zeros(8, 1024)))
+        narrower = replace_tensors(good(demo, tmp_path / "narrower"), lambda t: t.__setitem__(key, torch.zeros(8, 256)))
+        assert_one_error(pull(wider, "wider/v1"), 5, "cannot load this adapter", "down_proj", "512")
+        assert_one_error(pull(narrower, "narrower/v1"), 5, "cannot load this adapter", "down_proj", "512")
+        fine = good(demo, tmp_path / "fine")
+        assert pull(fine, "fine/v1").returncode == 0
+        out = run_cli("run", "-t", "0", "-n", "8", "--lora", "fine/v1", "hello", "--socket", str(daemon.socket))
+        assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hello"), fine, 8)) + "\n"
+        assert "shapes unknown" in daemon.log.read_text()
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
