@@ -32,6 +32,7 @@ from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
 from loractld.store.identity import AdapterRef
+from loractld.store.preflight import broken_adapter
 
 _log = logging.getLogger("loractld.engine")
 
@@ -137,12 +138,6 @@ def _client_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
-
-
-def broken_adapter(label: str, reason: str) -> InvalidAdapter:
-    return InvalidAdapter(f"the engine could not load adapter {label!r}: {reason}",
-                          "The engine kept serving; the adapter is marked failed (loractl ls). Remove it, "
-                          "or pull a revision that loads.")
 
 
 class Engine:
@@ -386,9 +381,14 @@ class Engine:
         complete = text[:text.rfind("\n") + 1]
         self._broken_read += len(complete.encode())
         for line in complete.splitlines():
-            record = json.loads(line)
-            _log.error("the engine could not load adapter id %d: %s (it kept serving)", record["id"], record["error"])
-            self.broken[int(record["id"])] = str(record["error"])
+            try:
+                record = json.loads(line)
+                lora_id, reason = int(record["id"]), str(record["error"])
+            except (ValueError, KeyError, TypeError):
+                _log.warning("ignoring a malformed line of the worker's load journal: %r", line[:200])
+                continue
+            _log.error("the engine could not load adapter id %d: %s (it kept serving)", lora_id, reason)
+            self.broken[lora_id] = reason
 
     async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
         """Pin in host RAM, or (``device``) in host RAM and a device slot: only behind the

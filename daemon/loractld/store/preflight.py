@@ -35,6 +35,13 @@ _log = logging.getLogger("loractld.preflight")
 _ID_MASK = (1 << 31) - 1
 
 
+def broken_adapter(label: str, reason: str) -> InvalidAdapter:
+    """The error for an adapter the engine failed to load inside a step (and survived)."""
+    return InvalidAdapter(f"the engine could not load adapter {label!r}: {reason}",
+                          "The engine kept serving; the adapter is marked failed (loractl ls). Remove it, "
+                          "or pull a revision that loads.")
+
+
 class Preflight:
     def __init__(self) -> None:
         self.engine: Engine | None = None
@@ -49,8 +56,6 @@ class Preflight:
     def refusal(self, digest: str, engine_id: int | None = None, label: str = "") -> InvalidAdapter | None:
         """Why the engine refused this content, if it did (at preflight, or in a step)."""
         if digest not in self._refused and self.engine is not None and engine_id in self.engine.broken:
-            from loractld.engine.client import broken_adapter
-
             self._refused[digest] = broken_adapter(label or digest[:12], self.engine.broken[engine_id])
         return self._refused.get(digest)
 
