@@ -13,6 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import httpx
+
 from adapter_factory import edit_config, good
 from conftest import run_cli
 from test_errors import assert_one_error
@@ -106,10 +108,18 @@ def test_a_load_that_fails_inside_a_step_fails_its_request_and_the_engine_keeps_
         assert_one_error(rig.cli("load", "slips-third/v1"), 1, "could not load adapter 'slips-third/v1'",
                          "injected load fault")
         assert_one_error(rig.cli("run", "--lora", "slips-third/v1", "hello"), 5, "injected load fault")
+        # And over HTTP: the OpenAI error schema, a 4xx, the cause in its message.
+        fourth = good(demo, tmp_path / "fourth", name="slips-fourth")
+        rig.ok("pull", str(fourth), "--name", "slips-fourth/v1")
+        rig.load_fault.write_text(Path(json.loads(rig.ok("show", "slips-fourth/v1", "--json").stdout)["path"]).resolve().name)
+        response = httpx.post(rig.http + "/v1/chat/completions", timeout=60, json={
+            "model": "slips-fourth/v1", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+        assert 400 <= response.status_code < 500, response.text
+        assert "could not load adapter 'slips-fourth/v1'" in response.json()["error"]["message"]
         base_is_reference(rig, reference)
     finally:
         rig.load_fault.unlink(missing_ok=True)
-        for name in ("slips/v1", "slips-other/v1", "slips-third/v1"):
+        for name in ("slips/v1", "slips-other/v1", "slips-third/v1", "slips-fourth/v1"):
             rig.cli("rm", name)
 
 
