@@ -15,6 +15,8 @@ Invariants:
   distinct adapters than the device slots the pins leave free.
 - While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
   when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
+- An adapter's content reaches the engine in a request or a load only once the engine's own
+  loader accepted it (``store.preflight``: once per content; a set lookup after that).
 - An adapter folder a running request may still need (vLLM reloads from disk after an eviction)
   is never deleted: a replaced revision's folder goes once no request uses it.
 """
