@@ -176,10 +176,17 @@ class Rig:
     def arm(self) -> Path:
         return self.root / "kill-at"
 
+    @property
+    def load_fault(self) -> Path:
+        """Test-only: a text written here fails the engine's next load, in a step, of an adapter
+        whose path holds it (LORACTL_TEST_LOAD_FAULT: see loractld/worker/extension.py)."""
+        return self.root / "load-fault"
+
     def start(self) -> None:
         # Hub pulls fail at once (nothing listens on port 9): the fuzzers send random refs.
         self.daemon = start_daemon(self.root, *self.flags, name="rig",
-                                   env={"LORACTL_TEST_KILL_AT": str(self.arm), "HF_ENDPOINT": "http://127.0.0.1:9"})
+                                   env={"LORACTL_TEST_KILL_AT": str(self.arm), "HF_ENDPOINT": "http://127.0.0.1:9",
+                                        "LORACTL_TEST_LOAD_FAULT": str(self.load_fault)})
         self.http = json.loads(self.ok("status", "--json").stdout)["http"]
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:

@@ -183,3 +183,23 @@ def test_a_second_demo_build_waits_for_the_first_and_reuses_its_result(real_demo
     assert proc.returncode == 0, rest
     assert f"model: {real_demo['model']}" in rest
     assert "training" not in rest and "converting" not in rest, rest
+
+
+@pytest.mark.parametrize("case", ["default-keys", "rank-pattern"])
+def test_peft_made_adapters_on_the_real_model_are_served_exactly(real_daemon, real_ref, real_demo, tmp_path, case):
+    """Issue 21 on SmolLM2: a raw state_dict's '.default.' keys (which ended vLLM's engine
+    inside a step) are normalised at pull, and a rank/alpha-pattern adapter (which validation
+    refused) is served; both token for token as PEFT generates."""
+    import peft_corpus
+
+    folder = tmp_path / case
+    peft_folder = peft_corpus.build(peft_corpus.case(case), real_demo["model"], folder, scale=0.05)
+    name = f"real-{case}/v1"
+    pulled = run_cli("pull", str(folder), "--name", name, "--socket", str(real_daemon.socket))
+    assert pulled.returncode == 0, pulled.stderr
+    got = _generate(real_daemon, messages=[{"role": "user", "content": SQL_PROMPT}], lora=name, max_tokens=24,
+                    temperature=0)
+    ids = real_ref.chat_ids(SQL_PROMPT)
+    assert got["ids"] == real_ref.greedy(ids, peft_folder, 24)
+    assert got["ids"] != real_ref.greedy(ids, None, 24)  # the adapter does something
+    assert run_cli("rm", name, "--socket", str(real_daemon.socket)).returncode == 0

@@ -108,3 +108,102 @@ def test_third_party_sources_plug_in_through_entry_points(monkeypatch, demo, tmp
     assert [s.name for s in found] == ["local", "s3", "hf"]
     assert sources.pick_source(found, "s3://bucket/adapter").name == "s3"
     assert sources.pick_source(found, "org/repo").name == "hf"
+
+
+def corpus_adapter(demo, tmp_path, name: str):
+    import peft_corpus
+
+    case = next(c for c in peft_corpus.CASES if c.name == name)
+    peft_corpus.build(case, demo / "model", tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_rank_pattern_adapter_passes_with_its_largest_rank(demo, tmp_path):
+    facts = check(corpus_adapter(demo, tmp_path, "rank-pattern"), demo, force=True)
+    assert facts.rank == 8  # rank_pattern's q_proj, above r=4
+
+
+def test_weights_that_contradict_the_rank_pattern_name_it(demo, tmp_path):
+    import json
+
+    folder = corpus_adapter(demo, tmp_path, "rank-pattern")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["rank_pattern"] = {"down_proj": 3, "q_proj": 8}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidAdapter, match=r"down_proj' has rank 2/2, but the config \(its rank_pattern\) says 3"):
+        check(folder, demo, force=True)
+
+
+def test_an_embedding_lora_for_a_resized_vocabulary_is_refused_as_added_tokens(demo, tmp_path):
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    folder = corpus_adapter(demo, tmp_path, "embeddings")
+
+    def grow(tensors):
+        key = "base_model.model.model.embed_tokens.base_layer.weight"
+        tensors[key] = torch.cat([tensors[key], torch.zeros(4, tensors[key].shape[1])])
+    replace_tensors(folder, grow)
+    with pytest.raises(InvalidAdapter, match="added tokens"):
+        check(folder, demo, force=True)
+
+
+@pytest.mark.parametrize("key, needle", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector", "DoRA"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias", "LoRA bias"),
+    ("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", "trainable-tokens"),
+    ("base_model.model.lm_head.weight", "a whole module's weights"),
+])
+def test_tensors_of_unservable_features_are_named_even_when_the_config_hides_them(demo, tmp_path, key, needle):
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    folder = replace_tensors(good(demo, tmp_path / "x"), lambda t: t.__setitem__(key, torch.zeros(4, 4)))
+    with pytest.raises(InvalidAdapter, match=needle):
+        check(folder, demo)
+
+
+def test_normalising_renames_keys_and_keeps_every_weight_bit_identical(demo, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from loractld.store.normalize import normalize_folder
+
+    folder = corpus_adapter(demo, tmp_path, "default-keys")
+    before = load_file(folder / "adapter_model.safetensors")
+    assert all(".default." in k for k in before)
+    with pytest.raises(InvalidAdapter, match=r"not in PEFT's standard layout.*'\.default\.'"):
+        check(folder, demo, force=True)  # a folder used in place is refused, with the pull as the way out
+    assert normalize_folder(folder) == ["removed the adapter name '.default.' from the tensor keys"]
+    after = load_file(folder / "adapter_model.safetensors")
+    assert set(after) == {k.replace(".default.", ".") for k in before}
+    assert all(torch.equal(after[k.replace(".default.", ".")], v) for k, v in before.items())
+    check(folder, demo, force=True)
+    assert normalize_folder(folder) == []  # already standard: untouched
+
+
+def test_weights_of_two_adapters_are_refused_not_merged(demo, tmp_path):
+    from adapter_factory import replace_tensors
+    from loractld.store.normalize import normalize_folder
+
+    def two_names(tensors):
+        for key in list(tensors):
+            tensors[key.replace(".lora_A.", ".lora_A.one.").replace(".lora_B.", ".lora_B.one.")] = tensors.pop(key)
+        tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.two.weight"] = \
+            tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.one.weight"].clone()
+    folder = replace_tensors(good(demo, tmp_path / "x"), two_names)
+    with pytest.raises(InvalidAdapter, match=r"several adapters \(one, two\)"):
+        normalize_folder(folder)
+
+
+def test_base_model_shapes_unknown_at_start_are_read_once_the_engine_has_the_model(demo):
+    """A Hub id not yet in the cache has no files when the catalog opens: the shapes are read
+    after the engine's start instead of staying unknown (and the checks off) for good."""
+    from loractld.models.basemodel import BaseModel, refresh_shapes
+
+    info = BaseModel(model=str(demo / "model"), names={"org/not-downloaded-yet"})
+    refresh_shapes(info)
+    assert info.shapes == base_model_shapes(demo / "model")
+    assert "loractl/demo-tiny-llama" in info.names and "org/not-downloaded-yet" in info.names

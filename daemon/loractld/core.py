@@ -15,6 +15,8 @@ Invariants:
   distinct adapters than the device slots the pins leave free.
 - While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
   when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
+- An adapter's content reaches the engine in a request or a load only once the engine's own
+  loader accepted it (``store.preflight``: once per content; a set lookup after that).
 - An adapter folder a request may still need (vLLM reloads from disk after an eviction) is
   never deleted: a request takes a lease on its folder where it resolves its adapter
   (:meth:`Core.prepare`), held until the request ends however it ends; the store owns the
@@ -43,6 +45,7 @@ from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
+from loractld.store.preflight import Preflight
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StatusView)
 
@@ -67,6 +70,7 @@ class Catalog:
     resolver: AdapterResolver
     puller: Puller
     base_model: BaseModel
+    preflight: Preflight = field(default_factory=Preflight)
 
 
 @dataclass
@@ -293,6 +297,8 @@ class Core:
         lease = catalog.store.lease(adapter.path) if adapter is not None else None
         try:
             await testhooks.pause("resolved")
+            if adapter is not None:  # the engine's own loader has the last word, once per content
+                await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
             if request.messages is not None:
                 if not request.messages:
                     raise InvalidRequest("no messages", "Send at least one message.")
@@ -435,7 +441,8 @@ class Core:
     async def _tier_op(self, name: str, op) -> AdapterView:
         catalog = await self._wait_catalog()
         _, tiers = await self._wait_engine()
-        self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
+        ref = self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
+        await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
         await op(tiers)
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)
@@ -512,6 +519,9 @@ class Core:
         except LoractlError as e:
             view.state, view.error = "failed", f"{e.message} ({e.hint})"
             return view
+        refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
+        if refused is not None:
+            view.state, view.error = "failed", f"{refused.message} ({refused.hint})"
         if state is not None:
             residency = state.residency(ref.engine_id)
             view.tier, view.pinned, view.slot, view.pin = residency.tier, residency.pinned, residency.slot, residency.pin

@@ -28,10 +28,11 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate,
 from loractld.api.grpc_service import LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
-from loractld.models.basemodel import describe
+from loractld.models.basemodel import describe, refresh_shapes
 from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
 from loractld.publisher import Publisher
+from loractld.store.preflight import Preflight
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store.disk import Store, remove_partial_writes
@@ -165,8 +166,9 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
         return validate_adapter(folder, max_lora_rank=settings.engine.max_lora_rank, base_shapes=base.shapes,
                                 model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes)
 
+    preflight = Preflight()
     catalog = Catalog(store=store, resolver=AdapterResolver(store, validate),
-                      puller=Puller(store, load_sources(), validate), base_model=base)
+                      puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight)
     adapters = store.list()
     _log.info("store %s: %d adapter(s); base model %s (shapes %s)", store_dir, len(adapters), model,
               "known" if base.shapes else "unknown")
@@ -285,6 +287,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
         started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
         await asyncio.to_thread(enginepid.record, layout.state_dir)
+        core.catalog.preflight.attach(started)
+        await asyncio.to_thread(refresh_shapes, core.catalog.base_model)  # a Hub model is on disk only now
         return started
 
     engine: Engine | None = None

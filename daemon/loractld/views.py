@@ -40,6 +40,7 @@ class AdapterView:
     requests: int = 0
     host_bytes: int = 0
     pin: str = ""               # device, host, or "" (not pinned)
+    normalized: list[str] = field(default_factory=list)   # key spellings the pull rewrote
 
     @classmethod
     def of(cls, adapter: StoredAdapter) -> AdapterView:
@@ -51,7 +52,7 @@ class AdapterView:
             target_modules=targets if isinstance(targets, list) else [str(targets)],
             size_bytes=adapter.size_bytes, pulled_at=float(m.get("pulled_at") or 0),
             files=[{"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in m.get("files", [])],
-            path=str(adapter.path), hand_placed=adapter.hand_placed,
+            path=str(adapter.path), hand_placed=adapter.hand_placed, normalized=list(m.get("normalized") or []),
         )
 
 

@@ -120,6 +120,8 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
         ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
         ("size", human_bytes(int(a["size_bytes"]))), ("pulled", pulled), ("path", a["path"]),
     ]
+    if a.get("normalized"):
+        rows.append(("normalised", "; ".join(a["normalized"])))
     for f in a["files"]:
         rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
     for key, value in rows:

@@ -227,7 +227,7 @@ class FileRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin")
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin", "normalized")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,7 @@ class Adapter(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZED_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     ref: str
@@ -272,7 +273,8 @@ class Adapter(_message.Message):
     requests: int
     host_bytes: int
     pin: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ...) -> None: ...
+    normalized: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ..., normalized: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

@@ -14,21 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loractl.errors import EngineUnavailable, InvalidRequest
+from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
 from loractld import killpoints
 from loractld.engine import compat
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
 from loractld.store.identity import AdapterRef
+from loractld.store.preflight import broken_adapter
 
 _log = logging.getLogger("loractld.engine")
 
@@ -109,6 +113,10 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     # faster start (7 s instead of 12-16 s on CPU), and one child to reap.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ[vllm_plugin.ENGINE_FLAG] = "1"  # our worker methods (worker_ext)
+    # Where the worker journals an adapter it failed to load inside a step (worker_ext).
+    fd, journal = tempfile.mkstemp(prefix="loractl-broken-", suffix=".jsonl")
+    os.close(fd)
+    os.environ[worker_ext.BROKEN_JOURNAL] = journal
     os.environ[vllm_plugin.DAEMON_PID] = str(os.getpid())  # the engine dies with us (vllm_plugin)
     if device == "cpu" and apply_cpu_fixes:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
@@ -148,6 +156,9 @@ class Engine:
         # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
         self._generation_defaults: dict[str, Any] | None = None
+        self.broken: dict[int, str] = {}  # engine id -> why the worker could not load it in a step
+        self._broken_journal = os.environ.get(worker_ext.BROKEN_JOURNAL, "")
+        self._broken_read = 0   # bytes of the journal read so far
         import vllm
 
         self.vllm_version = vllm.__version__
@@ -303,6 +314,10 @@ class Engine:
             async for out in self._llm.generate(
                 {"prompt_token_ids": prompt_token_ids}, params, request_id, lora_request=lora_request
             ):
+                if adapter is not None:
+                    # The step that loaded the adapter ran before this output: a failed load
+                    # is journaled by now, and its stand-in's tokens never reach the client.
+                    self._refuse_if_broken(adapter)
                 completion = out.outputs[0]
                 yield Delta(
                     text=completion.text,
@@ -311,7 +326,7 @@ class Engine:
                     prompt_token_ids=list(out.prompt_token_ids or prompt_token_ids) if first else None,
                 )
                 first = False
-        except (InvalidRequest, asyncio.CancelledError):
+        except (InvalidRequest, InvalidAdapter, asyncio.CancelledError):
             raise
         except Exception as e:
             if self.errored:
@@ -329,11 +344,51 @@ class Engine:
         the tier changes journaled after ``since`` (see worker_ext)."""
         return (await self._llm.collective_rpc("loractl_lora_state", args=(since,)))[0]
 
+    async def preflight(self, name: str, engine_id: int, path: str) -> str | None:
+        """Load the adapter at ``path`` in the worker as a step would, and drop it: None if this engine can
+        serve it, else vLLM's reason in one line (see worker_ext.loractl_preflight). Runs
+        between steps, like every utility call; whatever the loader raises is answered here."""
+        from vllm.lora.request import LoRARequest
+
+        kwargs = compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=name, engine_id=engine_id, path=path)
+        return (await self._llm.collective_rpc("loractl_preflight", args=(kwargs,)))[0]
+
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
         added = bool(await self._llm.add_lora(self._lora_request(adapter)))
         killpoints.reached("engine-add")
+        self._refuse_if_broken(adapter)
         return added
+
+    def _refuse_if_broken(self, adapter: AdapterRef) -> None:
+        """Raise :class:`InvalidAdapter` if the worker failed to load ``adapter`` (its stand-in
+        is a zero dummy: serving it would be the base model under the adapter's name)."""
+        self._read_broken_journal()
+        reason = self.broken.get(adapter.engine_id)
+        if reason is not None:
+            raise broken_adapter(adapter.label, reason)
+
+    def _read_broken_journal(self) -> None:
+        """Take in what the worker journaled since the last read: one stat when nothing did."""
+        try:
+            if os.stat(self._broken_journal).st_size <= self._broken_read:
+                return
+            with open(self._broken_journal) as f:
+                f.seek(self._broken_read)
+                text = f.read()
+        except OSError:
+            return
+        complete = text[:text.rfind("\n") + 1]
+        self._broken_read += len(complete.encode())
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+                lora_id, reason = int(record["id"]), str(record["error"])
+            except (ValueError, KeyError, TypeError):
+                _log.warning("ignoring a malformed line of the worker's load journal: %r", line[:200])
+                continue
+            _log.error("the engine could not load adapter id %d: %s (it kept serving)", lora_id, reason)
+            self.broken[lora_id] = reason
 
     async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
         """Pin in host RAM, or (``device``) in host RAM and a device slot: only behind the
@@ -394,6 +449,9 @@ class Engine:
             return
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
+        if self._broken_journal:
+            with contextlib.suppress(OSError):
+                os.unlink(self._broken_journal)
         # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit
         # the module globals it needs are gone (a TypeError printed on every clean stop).
         llm.shutdown = lambda *args, **kwargs: None

@@ -52,6 +52,23 @@ def describe(model_arg: str, resolved: str, served_name: str | None = None) -> B
     return info
 
 
+def refresh_shapes(info: BaseModel) -> None:
+    """Read the shapes once the engine has the model on disk, if they were unknown at start.
+
+    A Hub id not yet in the cache has no files when the catalog opens (the engine downloads
+    them); without this, shape and module checks stayed off for the daemon's whole life. The
+    validator reads ``info.shapes`` at each call, so every later check has them; the engine's
+    own loader (``store.preflight``) covers adapters validated before.
+    """
+    if info.shapes is not None:
+        return
+    refreshed = describe(info.model, info.model)
+    if refreshed.shapes:
+        info.shapes = refreshed.shapes
+        info.names |= refreshed.names
+        _log.info("base model shapes read after the engine's download: %d weights", len(info.shapes))
+
+
 def _cached_snapshot(repo_id: str) -> Path | None:
     try:
         from huggingface_hub import snapshot_download

@@ -7,7 +7,11 @@ Invariants:
   inside the store; the staging folder is removed on any failure or cancellation, and only
   ``Store.install`` (atomic) makes the adapter visible.
 - Checksums are verified against what the source reported (sha256 for LFS files, the git
-  blob id for small files, sha256 for local copies) before validation.
+  blob id for small files, sha256 for local copies) before validation; then key spellings
+  are normalised (``normalize``): the manifest's ``files`` are the installed copy's, and
+  ``original_files`` the source's.
+- Once the engine is up, nothing is installed that its own loader refuses (``preflight``);
+  a pull during the engine's start is checked at first use instead.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from pathlib import Path
 from loractl.errors import InvalidAdapter
 from loractl.names import validate_name
 from loractld.store.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
-from loractld.store.disk import StoredAdapter, Store
+from loractld.store.disk import StoredAdapter, Store, files_digest
+from loractld.store.normalize import normalize_folder
+from loractld.store.preflight import Preflight
 from loractld.store.validate import AdapterFacts
 
 _log = logging.getLogger("loractld.pulls")
@@ -36,7 +42,7 @@ Validator = Callable[[Path, bool], AdapterFacts]
 
 @dataclass
 class PullEvent:
-    stage: str                  # resolving, downloading, verifying, installing, done, up_to_date
+    stage: str                  # resolving, downloading, verifying, checking, installing, done, up_to_date
     file: str = ""
     done: int = 0
     total: int = 0
@@ -46,10 +52,12 @@ class PullEvent:
 
 
 class Puller:
-    def __init__(self, store: Store, sources: list[AdapterSource], validate: Validator) -> None:
+    def __init__(self, store: Store, sources: list[AdapterSource], validate: Validator,
+                 preflight: Preflight | None = None) -> None:
         self.store = store
         self.sources = sources
         self.validate = validate
+        self.preflight = preflight
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
@@ -102,15 +110,26 @@ class Puller:
                 source.download_to_disk(resolved, staged, progress, cancel, token=token, endpoint=endpoint)
                 emit(PullEvent("verifying", message="verifying sha256 digests"))
                 records = verify_files(staged, resolved)
+                normalized = normalize_folder(staged)
+                if normalized:
+                    emit(PullEvent("verifying", message="normalised: " + "; ".join(normalized)))
+                installed = installed_records(staged, records) if normalized else records
                 facts = self.validate(staged, force)
+                if self.preflight is not None and self.preflight.engine is not None:
+                    emit(PullEvent("checking", message="loading it with the engine's own loader"))
+                    # On the loop, which owns the engine; this thread waits for the answer.
+                    asyncio.run_coroutine_threadsafe(
+                        self.preflight.check(staged, files_digest(installed), name), loop).result()
                 if cancel.is_set():
                     raise PullCancelled("the pull was cancelled")
                 emit(PullEvent("installing", message=f"installing {name}"))
                 manifest = {
                     "name": name, "source": resolved.source, "ref": resolved.ref, "revision": resolved.revision,
-                    "files": records, "pulled_at": time.time(), "base_model": facts.base_model, "rank": facts.rank,
+                    "files": installed, "pulled_at": time.time(), "base_model": facts.base_model, "rank": facts.rank,
                     "alpha": facts.alpha, "target_modules": facts.target_modules, "forced": bool(force),
                 }
+                if normalized:  # what was rewritten, and the files as the source had them
+                    manifest.update(normalized=normalized, original_files=records)
                 return self.store.install(name, staged, manifest)
 
         future = loop.run_in_executor(None, work)
@@ -126,6 +145,12 @@ class Puller:
                 future.exception()  # retrieved: its PullCancelled is expected, not a "never retrieved" traceback
             raise
         yield PullEvent("done", message=f"pulled {name} at {resolved.revision[:12]}", adapter=adapter)
+
+
+def installed_records(folder: Path, records: list[dict]) -> list[dict]:
+    """``records`` for the files as they are now in ``folder`` (after normalising)."""
+    return [{"name": r["name"], "size": (folder / r["name"]).stat().st_size, "sha256": sha256_file(folder / r["name"])}
+            for r in records]
 
 
 def verify_files(folder: Path, resolved: Resolved) -> list[dict]:

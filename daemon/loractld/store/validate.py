@@ -32,6 +32,8 @@ _DTYPE_BYTES = {
 }
 # base_model.model.<module path>.lora_A.weight (PEFT), optionally with an adapter name segment.
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# An embedding's LoRA: base_model.model.<module>.lora_embedding_A (PEFT), likewise.
+_EMBEDDING_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?$")
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,9 @@ def validate_adapter(
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise InvalidAdapter(f"not a LoRA adapter: peft_type is {config.get('peft_type')!r}",
-                             "Only PEFT LoRA adapters (peft_type LORA) are supported.")
+                             "vLLM serves LoRA adapters only (peft_type LORA); IA3, LoHa, LoKr, prefix "
+                             "tuning and other PEFT methods cannot be served.")
+    _refuse_unservable_features(config)
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():
         if (folder / "adapter_model.bin").exists():
@@ -173,12 +177,8 @@ def validate_adapter(
             f"{WEIGHTS_FILE} is {weights.stat().st_size} bytes, over the cap of {max_weights_bytes}",
             "Raise the daemon's --max-adapter-size if this adapter is really that large.",
         )
-    rank = config.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise InvalidAdapter(f"{CONFIG_FILE} has no valid rank 'r' ({rank!r})", "Fix or re-pull the adapter.")
-    if rank > max_lora_rank:
-        raise InvalidAdapter(f"adapter rank {rank} is above the daemon's max LoRA rank {max_lora_rank}",
-                             f"Restart the daemon with --max-lora-rank {next_supported_rank(rank)}.")
+    ranks = _Ranks.of(config)
+    ranks.check_limit(max_lora_rank)
     base = config.get("base_model_name_or_path") or None
     if base and model_names and not force and not model_names_match(str(base), model_names):
         raise InvalidAdapter(
@@ -186,24 +186,123 @@ def validate_adapter(
             "Pull an adapter for this model, or add --force if you know the architectures match.",
         )
     tensors = read_safetensors_header(weights)
-    modules = _check_tensors(tensors, rank, base_shapes)
-    alpha = config.get("lora_alpha", rank)
-    return AdapterFacts(rank=rank, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(rank),
+    _refuse_unnormalized_keys(list(tensors))
+    modules = _check_tensors(tensors, ranks, base_shapes)
+    alpha = config.get("lora_alpha", ranks.r)
+    return AdapterFacts(rank=ranks.largest, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(ranks.r),
                         target_modules=sorted(modules), base_model=base, peft_config=config)
 
 
-def _check_tensors(tensors: dict[str, TensorInfo], rank: int, base_shapes: dict | None) -> set[str]:
+def _refuse_unnormalized_keys(keys: list[str]) -> None:
+    """A folder used in place (``--lora /path``, placed by hand) is never rewritten; a pull
+    normalises these spellings first (``store.normalize``), so this fires for those only."""
+    from loractld.store.normalize import needs_normalizing  # it imports this module
+
+    respelled = needs_normalizing(keys)
+    if respelled:
+        raise InvalidAdapter(f"the tensor keys are not in PEFT's standard layout, which vLLM needs (a pull "
+                             f"{' and '.join(respelled)})",
+                             "Pull it into the store (loractl pull FOLDER --name NAME): the pull rewrites the keys.")
+
+
+_RETRAIN = "Retrain without it, or merge the adapter into the base model (PEFT's merge_and_unload) and serve that model."
+# Config switches that change what the adapter computes and that vLLM cannot serve: (key, what it is).
+_UNSERVABLE = (
+    ("use_dora", "DoRA (use_dora): vLLM has no weight-decomposed LoRA"),
+    ("lora_bias", "LoRA bias (lora_bias): vLLM adds no bias to LoRA's output"),
+    ("trainable_token_indices", "trainable tokens (trainable_token_indices): vLLM cannot change embedding rows"),
+    ("layer_replication", "layer replication (layer_replication)"),
+    ("alora_invocation_tokens", "Activated LoRA (alora_invocation_tokens)"),
+    ("use_qalora", "QALoRA (use_qalora)"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+)
+
+
+def _refuse_unservable_features(config: dict) -> None:
+    for key, feature in _UNSERVABLE:
+        if config.get(key):
+            raise InvalidAdapter(f"the adapter uses {feature}", _RETRAIN)
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise InvalidAdapter(f"the adapter trains the base model's biases (bias={bias!r}): vLLM serves LoRA deltas "
+                             "only", _RETRAIN)
+    saved = config.get("modules_to_save")
+    if saved:
+        raise InvalidAdapter(f"the adapter replaces whole modules (modules_to_save: {', '.join(map(str, saved))}): "
+                             "vLLM serves LoRA deltas only", _RETRAIN)
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """``r`` with PEFT's per-module ``rank_pattern`` (a key matches a module name's dotted
+    suffix, the first match wins: PEFT's ``get_pattern_key``, which vLLM's PEFTHelper follows)."""
+
+    r: int
+    pattern: dict
+
+    @classmethod
+    def of(cls, config: dict) -> _Ranks:
+        rank = config.get("r")
+        if not _positive_int(rank):
+            raise InvalidAdapter(f"{CONFIG_FILE} has no valid rank 'r' ({rank!r})", "Fix or re-pull the adapter.")
+        pattern = config.get("rank_pattern") or {}
+        if not isinstance(pattern, dict) or not all(_positive_int(v) for v in pattern.values()):
+            raise InvalidAdapter(f"{CONFIG_FILE} has an invalid rank_pattern ({pattern!r})", "Fix or re-pull the adapter.")
+        return cls(rank, dict(pattern))
+
+    @property
+    def largest(self) -> int:
+        return max([self.r, *self.pattern.values()])
+
+    def check_limit(self, max_lora_rank: int) -> None:
+        if self.largest <= max_lora_rank:
+            return
+        source = "" if self.largest == self.r else \
+            f" (rank_pattern's largest, for {next(k for k, v in self.pattern.items() if v == self.largest)!r}; r is {self.r})"
+        raise InvalidAdapter(f"adapter rank {self.largest}{source} is above the daemon's max LoRA rank {max_lora_rank}",
+                             f"Restart the daemon with --max-lora-rank {next_supported_rank(self.largest)}.")
+
+    def of_module(self, module: str) -> int:
+        for key, rank in self.pattern.items():
+            if re.match(rf"(.*\.)?({key})$", module):
+                return rank
+        return self.r
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# What PEFT saves that is not a plain LoRA pair: (pattern on the key, what it is).
+_NOT_LORA = (
+    (re.compile(r"\.lora_magnitude_vector(\.[^.]+)?(\.weight)?$"), "a DoRA magnitude: the adapter uses DoRA (use_dora)"),
+    (re.compile(r"\.lora_[AB](\.[^.]+)?\.bias$"), "a LoRA bias: the adapter uses LoRA bias (lora_bias)"),
+    (re.compile(r"trainable_tokens_"), "a trainable-tokens delta: the adapter uses trainable tokens"),
+    (re.compile(r"\.(modules_to_save\.[^.]+\.|original_module\.)?(weight|bias)$"),
+     "a whole module's weights (modules_to_save or a resized embedding): vLLM serves LoRA deltas only"),
+)
+# PEFT saves the embedding layers' own weights beside a LoRA on them (save_embedding_layers);
+# vLLM ignores them, which is right only while they are the base model's.
+_BASE_EMBEDDING = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+\.)?(?P<name>embed_tokens|lm_head)\.base_layer\.weight$")
+
+
+def _check_tensors(tensors: dict[str, TensorInfo], ranks: _Ranks, base_shapes: dict | None) -> set[str]:
     if not tensors:
         raise InvalidAdapter(f"{WEIGHTS_FILE} holds no tensors", "Pull the complete adapter.")
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
     for name, info in tensors.items():
-        match = _LORA_KEY.match(name)
+        embedding = _BASE_EMBEDDING.match(name)
+        if embedding:
+            _check_base_embedding(name, info, f"{embedding['module'] or ''}{embedding['name']}", base_shapes)
+            continue
+        match = _LORA_KEY.match(name) or _EMBEDDING_KEY.match(name)
         if not match:
+            what = next((what for pattern, what in _NOT_LORA if pattern.search(name)), None)
+            if what is not None:
+                raise InvalidAdapter(f"tensor {name!r} is {what}", _RETRAIN)
             if base_shapes is not None:
-                raise InvalidAdapter(
-                    f"tensor {name!r} is not a LoRA A/B weight",
-                    "Adapters with extra trained modules (modules_to_save, embeddings) are not supported.",
-                )
+                raise InvalidAdapter(f"tensor {name!r} is not a LoRA weight",
+                                     "The adapter holds weights loractl does not know; it cannot be served.")
             continue
         if len(info.shape) != 2:
             raise InvalidAdapter(f"tensor {name!r} has shape {list(info.shape)}, expected 2 dimensions",
@@ -215,8 +314,10 @@ def _check_tensors(tensors: dict[str, TensorInfo], rank: int, base_shapes: dict 
             raise InvalidAdapter(f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} but not its pair",
                                  "The adapter is incomplete: pull it again.")
         (a_rank, a_in), (b_out, b_rank) = ab["A"], ab["B"]
+        rank = ranks.of_module(module)
         if a_rank != rank or b_rank != rank:
-            raise InvalidAdapter(f"module {module!r} has rank {a_rank}/{b_rank}, but the config says r={rank}",
+            source = "its rank_pattern" if rank != ranks.r else f"r={rank}"
+            raise InvalidAdapter(f"module {module!r} has rank {a_rank}/{b_rank}, but the config ({source}) says {rank}",
                                  "The adapter's config does not match its weights.")
         short_names.add(module.rsplit(".", 1)[-1])
         if base_shapes is None:
@@ -227,13 +328,28 @@ def _check_tensors(tensors: dict[str, TensorInfo], rank: int, base_shapes: dict 
                 f"the base model has no module {module!r} (targeted by the adapter)",
                 "This adapter was trained for a different architecture; pull one for this model.",
             )
-        if len(base) != 2 or (b_out, a_in) != (base[0], base[1]):
+        # An embedding's LoRA maps token ids in and hidden states out: its A spans the vocabulary.
+        want = (base[1], base[0]) if _is_embedding(module) else (base[0], base[1]) if len(base) == 2 else None
+        if want is None or (b_out, a_in) != want:
             raise InvalidAdapter(
                 f"module {module!r}: the adapter's shape {b_out}x{a_in} does not fit the base model's "
                 f"{'x'.join(map(str, base))}",
                 "This adapter was trained for a different model size; pull one for this model.",
             )
     return short_names
+
+
+def _is_embedding(module: str) -> bool:
+    return module.rsplit(".", 1)[-1] == "embed_tokens"
+
+
+def _check_base_embedding(name: str, info: TensorInfo, module: str, base_shapes: dict | None) -> None:
+    base = base_shapes.get(f"{module}.weight") if base_shapes is not None else None
+    if base is not None and tuple(info.shape) != tuple(base):
+        raise InvalidAdapter(
+            f"the adapter's {module} has shape {'x'.join(map(str, info.shape))}, the model's "
+            f"{'x'.join(map(str, base))}: it was trained with added tokens (a resized vocabulary)",
+            "vLLM serves an adapter on the model's own vocabulary only; retrain without new tokens.")
 
 
 def next_supported_rank(rank: int) -> int:

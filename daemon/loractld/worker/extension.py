@@ -19,15 +19,28 @@ load and evict adapters that no two reads of the state would catch (load then ev
 them), so the daemon reads the journal, not a diff of snapshots, and can read as seldom as it
 likes (see ``tiers``): every change is still reported, in order. Comparing two sets of a few
 ids costs about a microsecond per step.
+
+Loads that cannot end the engine: ``_load_adapter``, which vLLM calls inside a step, is
+wrapped (``_guarded_load``) so that a failure is journaled to a file and a harmless dummy
+stands in; ``loractl_preflight`` runs the unwrapped loader, whose exception is its answer.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import json
+import os
 from typing import Any
 
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
+# The file the worker appends a JSON line {"id", "error"} to for each adapter it failed to load
+# in a step (see _guarded_load); the engine's client reads it (loractld.engine.client).
+BROKEN_JOURNAL = "LORACTL_BROKEN_JOURNAL"
+# Test-only: while the file this names holds a text found in an adapter's path, loading that
+# adapter in a step fails once (the file is removed), as a real loader failure would. Preflight
+# never sees it: it stands for what slips past preflight.
+LOAD_FAULT = "LORACTL_TEST_LOAD_FAULT"
 
 
 def _manager(worker: Any):
@@ -162,8 +175,105 @@ def loractl_unpin(self, lora_id: int) -> bool:
     return changed
 
 
+def loractl_preflight(self, request_kwargs: dict) -> str | None:
+    """Load an adapter exactly as a step would, for this engine's model and LoRA config, and
+    discard it: None if it would load and fit, else the loader's reason in one line.
+
+    It runs the worker manager's own ``_load_adapter`` (vLLM's PEFTHelper checks against
+    ``max_lora_rank``, the model's expected modules and weights mapper, the vocabulary), then
+    packs it as ``add_adapter`` does and checks every layer against the device buffers it would
+    be copied into. Nothing is registered or activated: the tiers are untouched, and whatever
+    it raises ends here, never in a step.
+    """
+    worker_manager = getattr(getattr(self, "model_runner", None), "lora_manager", None)
+    mgr = _manager(self)
+    if worker_manager is None or mgr is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    load = getattr(type(worker_manager)._load_adapter, "_loractl_unguarded", type(worker_manager)._load_adapter)
+    try:
+        lora = load(worker_manager, LoRARequest(**request_kwargs))
+        mgr._create_merged_loras_inplace(lora)
+        _check_fits(mgr, lora)
+    except Exception as e:  # the answer, not a failure: the adapter is what failed
+        return _one_line(e)
+    return None
+
+
+def _check_fits(mgr: Any, lora: Any) -> None:
+    """Raise if a layer of ``lora`` does not match the buffers ``activate_adapter`` copies it
+    into. vLLM copies into a slice sized by the adapter, so a smaller layer (an adapter for a
+    smaller model) would be served silently wrong and a larger one fails inside a step."""
+    for module_name, module in mgr.modules.items():
+        weights = mgr._get_lora_layer_weights(lora, module_name)
+        stacked_a, stacked_b = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+        if weights is None or not isinstance(stacked_a, (tuple, list)) or getattr(module, "tp_size", 1) != 1:
+            continue
+        lora_a = weights.lora_a if isinstance(weights.lora_a, (list, tuple)) else [weights.lora_a]
+        lora_b = weights.lora_b if isinstance(weights.lora_b, (list, tuple)) else [weights.lora_b]
+        for a, b, buffer_a, buffer_b in zip(lora_a, lora_b, stacked_a, stacked_b):
+            if a is None or b is None or buffer_a.dim() != 4 or buffer_b.dim() != 4:
+                continue
+            rank, fan_in, fan_out, max_rank = a.shape[0], buffer_a.shape[-1], buffer_b.shape[-2], buffer_a.shape[-2]
+            if a.shape[1] != fan_in or b.shape[0] != fan_out or b.shape[1] != rank or rank > max_rank:
+                raise ValueError(f"module {module_name!r}: the adapter's layer is {b.shape[0]}x{a.shape[1]} at rank "
+                                 f"{rank}, the model's is {fan_out}x{fan_in} (max rank {max_rank})")
+
+
+def _guarded_load(load):
+    """``_load_adapter`` that cannot end the engine: vLLM calls it inside a step, where an
+    exception kills the engine core for every client. A failure is journaled (the adapter
+    id and the reason) and a zero dummy of vLLM's own making (its warm-up LoRA) is returned
+    in its place, so the step completes; the daemon reads the journal, fails the requests
+    that asked for the adapter before any of their tokens are sent, and refuses it after."""
+    @functools.wraps(load)
+    def wrapper(self, lora_request):
+        try:
+            _injected_fault(lora_request)
+            return load(self, lora_request)
+        except Exception as e:
+            _journal_broken(lora_request.lora_int_id, e)
+            mgr = self._adapter_manager
+            rank = mgr.get_dummy_lora_warmup_rank(1) if hasattr(mgr, "get_dummy_lora_warmup_rank") else 1
+            return mgr.create_dummy_lora(lora_request.lora_int_id, rank, self.embedding_modules)
+
+    wrapper._loractl_unguarded = load  # type: ignore[attr-defined]  (preflight wants the raise)
+    return wrapper
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).strip() or type(error).__name__).splitlines()[0]}"
+
+
+def _journal_broken(lora_id: int, error: Exception) -> None:
+    path = os.environ.get(BROKEN_JOURNAL)
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:  # one short write: a line is never seen half-written
+            f.write(json.dumps({"id": int(lora_id), "error": _one_line(error)}) + "\n")
+    except OSError:
+        pass  # the request then runs on the dummy; it must not end the engine either
+
+
+def _injected_fault(lora_request) -> None:
+    armed = os.environ.get(LOAD_FAULT)
+    if not armed:
+        return
+    try:
+        with open(armed) as f:
+            needle = f.read().strip()
+        if not needle or needle not in str(lora_request.lora_path):
+            return
+        os.unlink(armed)
+    except FileNotFoundError:
+        return
+    raise RuntimeError(f"injected load fault ({LOAD_FAULT})")
+
+
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
-                                   loractl_unpin)}
+                                   loractl_unpin, loractl_preflight)}
 JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 
@@ -177,3 +287,5 @@ def install() -> None:
         method = getattr(LRUCacheWorkerLoRAManager, name)
         if not getattr(method, "_loractl_journaled", False):
             setattr(LRUCacheWorkerLoRAManager, name, _journaled(method))
+    if not hasattr(LRUCacheWorkerLoRAManager._load_adapter, "_loractl_unguarded"):
+        LRUCacheWorkerLoRAManager._load_adapter = _guarded_load(LRUCacheWorkerLoRAManager._load_adapter)
