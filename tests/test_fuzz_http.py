@@ -218,7 +218,8 @@ def test_prompts_times_n_past_the_cap_is_a_clean_400(web, before, prompts, n):
 @fuzz(10)
 @given(st.integers(0, 3), st.integers(0, 40_000))
 def test_request_heads_of_any_size_are_answered_or_refused_cleanly(web, before, headers, size):
-    """Headers up to and past the 64 KiB head cap: a success, or 431 and a closed connection."""
+    """Headers up to and past the head cap (--http-max-header-size, 64KiB on the rig): a success,
+    or 431 and a closed connection (the other headers of the request take some of the 64 KiB)."""
     daemon, client = web
     padding = {f"x-pad-{i}": "a" * size for i in range(headers)}
     try:
@@ -226,5 +227,5 @@ def test_request_heads_of_any_size_are_answered_or_refused_cleanly(web, before, 
         assert reply.status_code in (200, 431), reply.text[:300]
         assert reply.status_code == 431 or headers * size < 64 << 10
     except httpx.RemoteProtocolError:
-        assert headers * size > 64 << 10  # closed mid-send: the answer was 431, the head was too big
+        assert headers * size > (64 << 10) - 1024  # closed mid-send: the answer was 431, the head was too big
     send(web, before, "GET", "/health")

@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from loractld.api.http import settings as http_settings
-from loractld.api.http.connections import MAX_HEAD_BYTES
 from loractld.api.peers import may_change_state, tcp_peer_uid
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -140,7 +139,8 @@ def test_slow_and_oversized_requests_are_cut_and_health_answers_again():
     trickled body. Connections past the cap get 503 at once; trickled heads are closed after
     the header timeout; /health answers throughout the time it is not at the cap, and right
     after the timeout it is."""
-    settings = http_settings.HttpSettings(max_connections=8, header_timeout_s=0.5, body_timeout_s=0.5)
+    settings = http_settings.HttpSettings(max_connections=8, header_timeout_s=0.5, body_timeout_s=0.5,
+                                          max_header_bytes=4096)
 
     async def requests(url):
         def flood():
@@ -153,7 +153,7 @@ def test_slow_and_oversized_requests_are_cut_and_health_answers_again():
             closed = [_answer(sock) for sock in held]   # the server closes them, unanswered
             cut_after = time.monotonic() - started
             big = _raw(url)
-            big.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * (MAX_HEAD_BYTES + 10))
+            big.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Pad: " + b"a" * 4096)
             too_big = _answer(big)
             slow = _raw(url)
             slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -168,6 +168,6 @@ def test_slow_and_oversized_requests_are_cut_and_health_answers_again():
     refused, closed, cut_after, too_big, slow_body, health = asyncio.run(_serve(settings, requests))
     assert all(r.startswith(b"HTTP/1.1 503 ") and b"too_many_connections" in r for r in refused), refused[0]
     assert closed == [b""] * 8 and cut_after < 2, cut_after
-    assert too_big.startswith(b"HTTP/1.1 431 ") and b"headers_too_large" in too_big
+    assert too_big.startswith(b"HTTP/1.1 431 ") and b"--http-max-header-size" in too_big
     assert slow_body.startswith(b"HTTP/1.1 408 ") and b"--http-body-timeout" in slow_body
     assert health["error"]["message"] == "the engine is starting"   # answered: the caps let go

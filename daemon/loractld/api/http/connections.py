@@ -7,7 +7,7 @@ Invariants:
 - At most ``max_connections`` connections are open; one more is answered 503 and closed at
   once, before any of its bytes are read.
 - A connection must complete each request head within ``header_timeout_s`` of its first
-  byte (or of connecting) and within ``MAX_HEAD_BYTES``; else it is closed (431 for size).
+  byte (or of connecting) and within ``max_head_bytes``; else it is closed (431 for size).
 - A running request (its head complete) is never cut by these caps: streams keep flowing.
 """
 
@@ -18,23 +18,21 @@ import json
 
 from loractld.api.http.errors import error_body
 
-MAX_HEAD_BYTES = 64 << 10
-
-
 def _raw_error(status: int, reason: str, message: str, hint: str, code: str) -> bytes:
     body = json.dumps(error_body(status, message, hint, code=code)).encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def capped_protocol(base: type, *, max_connections: int, header_timeout_s: float) -> type:
+def capped_protocol(base: type, *, max_connections: int, header_timeout_s: float, max_head_bytes: int) -> type:
     """``base`` (uvicorn's HTTP protocol class) with the caps of this module."""
     too_many = _raw_error(503, "Service Unavailable", f"too many open HTTP connections ({max_connections})",
                           "Retry in a moment, reuse connections, or raise loractld --http-max-connections.",
                           "too_many_connections")
     head_too_large = _raw_error(431, "Request Header Fields Too Large",
-                                f"the request head is larger than {MAX_HEAD_BYTES} bytes",
-                                "Send fewer or shorter headers.", "headers_too_large")
+                                f"the request head is larger than {max_head_bytes} bytes",
+                                "Send fewer or shorter headers, or raise loractld --http-max-header-size.",
+                                "headers_too_large")
 
     class Capped(base):
         _refused = False
@@ -62,7 +60,7 @@ def capped_protocol(base: type, *, max_connections: int, header_timeout_s: float
             if not self._between_requests():
                 self._head_bytes = 0
                 self._cancel_timer()
-            elif self._head_bytes > MAX_HEAD_BYTES:
+            elif self._head_bytes > max_head_bytes:
                 self._close(head_too_large)
 
         def connection_lost(self, exc) -> None:

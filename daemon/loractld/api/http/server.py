@@ -54,7 +54,8 @@ class HttpFrontEnd:
         config.load()
         config.http_protocol_class = capped_protocol(config.http_protocol_class,
                                                      max_connections=settings.max_connections,
-                                                     header_timeout_s=settings.header_timeout_s)
+                                                     header_timeout_s=settings.header_timeout_s,
+                                                     max_head_bytes=settings.max_header_bytes)
         server = _InLoopServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:

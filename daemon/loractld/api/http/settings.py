@@ -25,6 +25,7 @@ DEFAULT_MAX_CONCURRENCY = 256
 DEFAULT_MAX_CHOICES = 128          # prompts x n in one request: vLLM's CPU default of sequences per step
 DEFAULT_MAX_CONNECTIONS = 512      # well under the usual 1024 file descriptors a process starts with
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_HEADER = 64 << 10      # request line and headers; uvicorn's h11 mode allows 16 KiB
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
@@ -37,6 +38,7 @@ class HttpSettings:
     max_choices: int = DEFAULT_MAX_CHOICES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_header_bytes: int = DEFAULT_MAX_HEADER
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
@@ -59,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int, pos
     parser.add_argument("--http-header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
                         metavar="SECONDS", help="close a connection whose request head (line and headers) is not "
                                                 f"complete after this long (default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--http-max-header-size", type=parse_size, default=DEFAULT_MAX_HEADER, metavar="SIZE",
+                        help="answer a request line and headers larger than this with 431 and close the "
+                             "connection (default: 64KiB)")
     parser.add_argument("--http-body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                         metavar="SECONDS", help="answer 408 when a request body takes longer than this to arrive "
                                                 f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
@@ -71,6 +76,7 @@ def settings_from(args: argparse.Namespace) -> HttpSettings:
     settings = HttpSettings(address=address, api_key=key, max_body_bytes=args.http_max_body,
                             max_concurrency=args.http_max_concurrency, max_choices=args.http_max_choices,
                             max_connections=args.http_max_connections, header_timeout_s=args.http_header_timeout,
+                            max_header_bytes=args.http_max_header_size,
                             body_timeout_s=args.http_body_timeout)
     if address is not None:
         check_listener(settings, *address)
