@@ -12,6 +12,7 @@ domain errors arrive as the class it raised.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from loractl.errors import (DaemonNotRunning, EngineUnavailable, InvalidRequest,
                             from_wire)
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
+
+_log = logging.getLogger("loractl.client")
 
 
 @dataclass
@@ -114,8 +117,9 @@ class Client:
             return
         from loractl.registry import ServiceDiscovery
 
-        ready = [i for i in ServiceDiscovery(home=self.home).list_instances("loractl", "loractld")
-                 if i.status == "ready"]
+        discovery = ServiceDiscovery(home=self.home)
+        ready = [i for i in discovery.list_instances("loractl", "loractld")
+                 if i.status == "ready" and self._believed(discovery, i)]
         if self.instance:
             chosen = [i for i in ready if i.instance_id == self.instance]
             if not chosen:
@@ -134,6 +138,16 @@ class Client:
             chosen = ready
         if chosen and chosen[0].metadata().get("socket"):
             self.socket_path = Path(chosen[0].metadata()["socket"])
+
+    @staticmethod
+    def _believed(discovery, instance) -> bool:
+        """An entry in a registry folder that others can write is ignored (with one warning
+        line): its socket could be anyone's, and a pull sends HF_TOKEN through it."""
+        why = discovery.distrust(instance)
+        if why is not None:
+            _log.warning("loractl: warning: ignoring the daemon entry %s: %s (hint: chmod go-w the folder, "
+                         "remove the entry, or pass --socket PATH)", instance.instance_id, why)
+        return why is None
 
     def _connect(self, prefer_adapter: str | None = None) -> LoractlStub:
         if self._stub is None:

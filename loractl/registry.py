@@ -278,6 +278,28 @@ class ServiceDiscovery:
                 live.append(inst)
         return sorted(live, key=lambda i: (i.started, i.instance_id))
 
+    def distrust(self, instance: Instance) -> str | None:
+        """Why ``instance``'s entry must not be believed, or None when it may be.
+
+        An entry names a socket that clients connect to and send their HF_TOKEN through: it is
+        believed only when its file and every folder from it up to this registry's root are
+        owned by this user or root and writable by no one else (an attacker who can write
+        there could point a client at a socket of theirs)."""
+        trusted_owners = (0, os.getuid())
+        path = instance.path
+        while True:
+            try:
+                st = os.lstat(path)
+            except OSError as e:
+                return f"cannot check {path}: {e.strerror or e}"
+            if st.st_uid not in trusted_owners:
+                return f"{path} is owned by uid {st.st_uid}"
+            if st.st_mode & 0o022:
+                return f"{path} is writable by others (mode {st.st_mode & 0o7777:04o})"
+            if path == self.root or path.parent == path:
+                return None
+            path = path.parent
+
     def watch(self, namespace: str, component: str, *, poll_s: float = 0.2,
               stop: threading.Event | None = None) -> Iterator[WatchEvent]:
         """Yield "added"/"removed" as the live set changes, the initial set first as "added".

@@ -145,6 +145,8 @@ class HubStub:
         #: (method, path) of every request received, in order; the path is as sent (still URL-quoted, so a
         #: revision like ``refs/pr/1`` shows as ``refs%2Fpr%2F1``), without the query string.
         self.requests: list[tuple[str, str]] = []
+        #: The Authorization header of each request (None when absent), in the same order.
+        self.authorizations: list[str | None] = []
         self._repos: dict[str, _Repo] = {}
         self._stalls: list[_Stall] = []
         self._lock = threading.Lock()
@@ -344,6 +346,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _record(self) -> None:
         with self.hub._lock:
             self.hub.requests.append((self.command, urlsplit(self.path).path))
+            self.hub.authorizations.append(self.headers.get("Authorization"))
 
     def _dispatch(self, head: bool) -> None:
         self._record()

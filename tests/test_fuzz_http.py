@@ -195,3 +195,37 @@ def test_the_fuzzer_can_see_a_failure(web, before):
         assert 400 <= reply.status_code < 500, reply.text
         error = reply.json()["error"]
         assert error["message"] and error["hint"] and "\n" not in error["message"] + error["hint"]
+
+
+# -- the trust boundary's caps (--http-max-choices, the request head's size) --------------------
+MAX_CHOICES = 128   # the rig runs with loractld's default
+
+
+@fuzz(12)
+@given(st.integers(1, 300), st.integers(1, 16))
+def test_prompts_times_n_past_the_cap_is_a_clean_400(web, before, prompts, n):
+    """Under the cap every choice is answered; past it, one 400 before anything is tokenized."""
+    daemon, client = web
+    reply = client.post("/v1/completions", json={"model": ADAPTER, "prompt": ["hi"] * prompts, "n": n,
+                                                 "max_tokens": 1, "temperature": 0})
+    if prompts * n > MAX_CHOICES:
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_choices", reply.text[:300]
+    else:
+        assert reply.status_code == 200 and len(reply.json()["choices"]) == prompts * n, reply.text[:300]
+    send(web, before, "GET", "/health")
+
+
+@fuzz(10)
+@given(st.integers(0, 3), st.integers(0, 40_000))
+def test_request_heads_of_any_size_are_answered_or_refused_cleanly(web, before, headers, size):
+    """Headers up to and past the head cap (--http-max-header-size, 64KiB on the rig): a success,
+    or 431 and a closed connection (the other headers of the request take some of the 64 KiB)."""
+    daemon, client = web
+    padding = {f"x-pad-{i}": "a" * size for i in range(headers)}
+    try:
+        reply = client.get("/v1/models", headers=padding)
+        assert reply.status_code in (200, 431), reply.text[:300]
+        assert reply.status_code == 431 or headers * size < 64 << 10
+    except httpx.RemoteProtocolError:
+        assert headers * size > (64 << 10) - 1024  # closed mid-send: the answer was 431, the head was too big
+    send(web, before, "GET", "/health")

@@ -254,9 +254,9 @@ def test_vllm_load_and_unload_routes(api, home, demo, reference):
     missing = api.post("/v1/unload_lora_adapter", {"lora_name": "poett/v1"})
     assert missing.status_code == 404 and "poet/v1" in missing.json()["error"]["message"]
     log = api.daemon.log.read_text()
-    assert re.search(r"audit http=127\.0\.0\.1:\d+ op=pull target=\S+poet/v1 as poet/v1 result=ok", log)
-    assert re.search(r"audit http=127\.0\.0\.1:\d+ op=load target=poet/v1 result=ok", log)
-    assert re.search(r"audit http=127\.0\.0\.1:\d+ op=evict target=poet/v1 result=ok", log)
+    assert re.search(r"audit uid=\d+ http=127\.0\.0\.1:\d+ op=pull target=\S+poet/v1 as poet/v1 result=ok", log)
+    assert re.search(r"audit uid=\d+ http=127\.0\.0\.1:\d+ op=load target=poet/v1 result=ok", log)
+    assert re.search(r"audit uid=\d+ http=127\.0\.0\.1:\d+ op=evict target=poet/v1 result=ok", log)
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

@@ -25,7 +25,7 @@ from loractl.errors import LoractlError
 from loractld.engine import pidfile as enginepid
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
-from loractld.api.grpc_service import LoractlService
+from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
 from loractld.models.basemodel import describe, refresh_shapes
@@ -59,6 +59,7 @@ class DaemonSettings:
     http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
     admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.serving.admission)
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # the largest gRPC request message read
 
 
 class HomeInUse(LoractlError):
@@ -251,7 +252,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                                f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
     core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
                 served_model_name=settings.served_model_name or settings.engine.model)
-    server = Server([LoractlService(core, socket_gid=socket_gid)])
+    server = Server([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
     if activated is not None:
         await server.start(sock=activated)
         _log.info("listening on %s (socket activation)", sock_path)
@@ -270,7 +271,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         from loractld.api.http.server import HttpFrontEnd
 
         try:
-            http = await HttpFrontEnd.start(core, settings.http, http_sock, debug=_log.isEnabledFor(logging.DEBUG))
+            http = await HttpFrontEnd.start(core, settings.http, http_sock, debug=_log.isEnabledFor(logging.DEBUG),
+                                            socket_gid=socket_gid)
         except BaseException:
             server.close()
             if activated is None:

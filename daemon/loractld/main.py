@@ -13,7 +13,9 @@ from pathlib import Path
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
+from loractld.api import audit
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
+from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings
 from loractld.engine.client import EngineSettings
 from loractld.lifecycle import DaemonSettings, serve
@@ -48,6 +50,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text}")
     return value
 
 
@@ -103,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
-    http_settings.add_arguments(p, parse_size, positive_int)
+    p.add_argument("--max-message-size", type=parse_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
+                   help="refuse socket (gRPC) request messages larger than this with RESOURCE_EXHAUSTED, before "
+                        "reading them (default: 4MiB)")
+    http_settings.add_arguments(p, parse_size, positive_int, positive_seconds)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -132,7 +144,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
-                          admission_max_wait_s=args.admission_max_wait)
+                          admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size)
 
 
 def _read_template(path: str) -> str:
@@ -162,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     except LoractlError as e:
         print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         sys.exit(e.exit_code)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format=audit.FORMAT)
+    audit.install(sys.stderr)  # audit lines whatever --log-level says
     # vLLM's own logging (read when vllm is imported, in this process and the engine's):
     # at the default level its dozen start-up warnings (Triton, tcmalloc, deprecations) are
     # nothing a loractl user can act on; its errors still show, and --log-level DEBUG

@@ -1,18 +1,40 @@
 """The audit log: one line per state-changing call, whichever door (socket or HTTP) it came
 through, naming the caller, the operation, its target and its outcome.
 
-Invariant: a line is written however the call ends (success, refusal, error, cancellation), and
-caller-supplied text in it is escaped and clipped, so a name cannot forge or flood the log.
+Invariants:
+- A line is written however the call ends (success, refusal, error, cancellation), and
+  caller-supplied text in it is escaped and clipped, so a name cannot forge or flood the log.
+- ``--log-level`` does not silence it: the audit logger has its own handler and level and does
+  not pass its lines to the root logger (:func:`install`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 from loractl.errors import LoractlError, PermissionDenied
 
 _audit = logging.getLogger("loractld.audit")
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def install(stream=None) -> None:
+    """Audit lines to ``stream`` (stderr: the journal under systemd) at INFO, whatever the
+    root logger's level; idempotent."""
+    if not any(getattr(h, "_loractl_audit", False) for h in _audit.handlers):
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.setFormatter(logging.Formatter(FORMAT))
+        handler._loractl_audit = True
+        _audit.addHandler(handler)
+    _audit.setLevel(logging.INFO)
+    _audit.propagate = False
+
+
+def record(principal: str, operation: str, target: str, outcome: str) -> None:
+    """One audit line for a call refused before it became an operation (e.g. by the HTTP guard)."""
+    _audit.info("audit %s op=%s target=%s result=%s", principal, operation, loggable(target), outcome)
 
 
 @contextlib.asynccontextmanager
@@ -29,7 +51,7 @@ async def audited(principal: str, operation: str, target: str):
         outcome = f"error: {e.kind}"
         raise
     finally:
-        _audit.info("audit %s op=%s target=%s result=%s", principal, operation, loggable(target), outcome)
+        record(principal, operation, target, outcome)
 
 
 def loggable(text: str, limit: int = 200) -> str:

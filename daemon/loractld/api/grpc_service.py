@@ -16,15 +16,19 @@ import dataclasses
 import functools
 import logging
 import os
+import struct
+import time
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
 from loractld.api.audit import audited
+from loractld.api.peers import may_change_state
 from loractld.core import GenerationRequest
 from loractld.core import DEFAULT_MAX_TOKENS, Sampling
 from loractld.views import AdapterView
@@ -33,6 +37,8 @@ if TYPE_CHECKING:
     from loractld.core import Core
 
 _log = logging.getLogger("loractld.grpc")
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20   # gRPC's usual default; a prompt of a million tokens fits
+AUDIT_PEEK_BYTES = 4096               # names and refs are short: enough to audit a refused call
 
 
 def peer_credentials(stream) -> tuple[int, int, int]:
@@ -41,7 +47,6 @@ def peer_credentials(stream) -> tuple[int, int, int]:
     grpclib exposes the transport only privately; the socket itself is what the kernel vouches for.
     """
     import socket as socket_module
-    import struct
 
     sock = stream.peer._transport.get_extra_info("socket")
     raw = sock.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_PEERCRED, struct.calcsize("3i"))
@@ -51,20 +56,61 @@ def peer_credentials(stream) -> tuple[int, int, int]:
 def mutating(operation: str, target=lambda request: request.name):
     """Only root, the daemon's own user or its socket group may change state; audit each call.
 
-    The handler receives the request message already read (the audit line names its target)."""
+    The caller is checked before its request is read: a refused caller's message is read only
+    when it is small enough to name the target in the audit line (``AUDIT_PEEK_BYTES``). The
+    handler receives the request message already read (the audit line names its target)."""
 
     def decorate(handler):
         @functools.wraps(handler)
         async def wrapper(self, stream):
             pid, uid, gid = peer_credentials(stream)
-            request = await stream.recv_message()
-            async with audited(f"uid={uid} pid={pid}", operation, target(request) or "-"):
-                if not (uid in (0, os.getuid()) or (self.socket_gid is not None and self._in_group(uid, gid))):
+            principal = f"uid={uid} pid={pid}"
+            if not may_change_state(uid, gid, self.socket_gid):
+                try:
+                    request = await recv_bounded(stream, AUDIT_PEEK_BYTES)
+                    named = target(request) or "-"
+                except (TooLarge, DecodeError):
+                    named = "(request not read)"
+                async with audited(principal, operation, named):
                     raise PermissionDenied(f"uid {uid} may not {operation} on this daemon")
+            request = await stream.recv_message()
+            async with audited(principal, operation, target(request) or "-"):
                 await handler(self, stream, request)
         return wrapper
 
     return decorate
+
+
+class TooLarge(InvalidRequest):
+    """A request message over ``--max-message-size``: RESOURCE_EXHAUSTED on the wire, and an
+    ``InvalidRequest`` (exit 2) once the client rebuilds it."""
+
+    grpc_status = Status.RESOURCE_EXHAUSTED
+
+
+async def recv_bounded(stream, limit: int):
+    """``stream.recv_message()``, refusing a message over ``limit`` bytes from its 5-byte
+    prefix, before its body is read: HTTP/2 flow control then keeps the rest of it with the
+    client (at most one window, 4 MiB, is ever buffered here).
+
+    grpclib reads messages of any size and has no setting for it; this is its
+    ``Stream.recv_message`` with the check added (grpclib.stream.recv_message + dispatch)."""
+    raw = stream._stream
+    prefix = await raw.recv_data(5)
+    if not prefix:
+        return None
+    compressed, size = struct.unpack(">?I", prefix)
+    if compressed:
+        raise InvalidRequest("compressed gRPC messages are not accepted", "Send messages uncompressed.")
+    if size > limit:
+        raise TooLarge(f"the request message is {size} bytes, over the daemon's limit of {limit}",
+                       "Send a shorter prompt, or raise loractld --max-message-size.")
+    message = stream._codec.decode(await raw.recv_data(size), stream._recv_type)
+    message, = await stream._dispatch.recv_message(message)
+    stream._messages_received += 1  # grpclib's own statistics, kept as its recv_message keeps them
+    raw.connection.messages_received += 1
+    raw.connection.last_message_received = time.monotonic()
+    return message
 
 
 def domain_errors(handler):
@@ -72,6 +118,8 @@ def domain_errors(handler):
 
     @functools.wraps(handler)
     async def wrapper(self, stream):
+        # Every message read, by the handler or by ``mutating``, is bounded (see recv_bounded).
+        stream.recv_message = functools.partial(recv_bounded, stream, self.max_message_bytes)
         try:
             await handler(self, stream)
         except LoractlError as e:
@@ -94,20 +142,11 @@ def domain_errors(handler):
 
 
 class LoractlService(LoractlBase):
-    def __init__(self, core: Core, *, socket_gid: int | None = None) -> None:
+    def __init__(self, core: Core, *, socket_gid: int | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.core = core
         self.socket_gid = socket_gid
-
-    def _in_group(self, uid: int, gid: int) -> bool:
-        import grp
-        import pwd
-
-        if gid == self.socket_gid:
-            return True
-        try:
-            return pwd.getpwuid(uid).pw_name in grp.getgrgid(self.socket_gid).gr_mem
-        except KeyError:
-            return False
+        self.max_message_bytes = max_message_bytes
 
     @domain_errors
     async def Status(self, stream) -> None:
@@ -124,11 +163,21 @@ class LoractlService(LoractlBase):
     @domain_errors
     async def Generate(self, stream) -> None:
         request: pb.GenerateRequest = await stream.recv_message()
-        prepared = await self.core.prepare(GenerationRequest(
+        generation = GenerationRequest(
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
             lora=request.lora, sampling=_sampling_from(request.sampling),
-        ))
+        )
+        if os.path.isabs(request.lora):
+            # A folder is read with the daemon's rights and takes an engine slot: a state change.
+            pid, uid, gid = peer_credentials(stream)
+            async with audited(f"uid={uid} pid={pid}", "generate-folder", request.lora):
+                if not may_change_state(uid, gid, self.socket_gid):
+                    raise PermissionDenied(f"uid {uid} may not generate from an adapter folder on this daemon",
+                                           "Name a stored adapter (loractl ls), or ask its owner to pull the folder.")
+                prepared = await self.core.prepare(generation)
+        else:
+            prepared = await self.core.prepare(generation)
         produced = 0
         async with contextlib.aclosing(self.core.run(prepared)) as deltas:
             async for delta in deltas:

@@ -178,9 +178,17 @@ class HubSource(AdapterSource):
                                      "Set HF_ENDPOINT to the Hub's base URL, e.g. http://HOST:PORT, or unset it.")
         return chosen
 
-    @staticmethod
-    def _token(token: str | None) -> str | bool | None:
-        return token or os.environ.get("HF_TOKEN") or None
+    @classmethod
+    def _token(cls, token: str | None, endpoint: str | None) -> str | bool | None:
+        """The caller's token; else the daemon's own (None: huggingface_hub reads HF_TOKEN or its
+        stored token), but only for the daemon's own endpoint. A caller who names another
+        endpoint gets no token of the daemon's (False stops huggingface_hub looking for one):
+        credentials stay with their endpoint."""
+        if token:
+            return token
+        if endpoint and _normalized(endpoint) != _normalized(own_endpoint()):
+            return False
+        return None
 
     def resolve(self, ref, revision, *, token, endpoint):
         from huggingface_hub import HfApi
@@ -191,7 +199,7 @@ class HubSource(AdapterSource):
             raise InvalidRequest(f"two revisions given: @{ref_rev} in the reference and --revision {revision}",
                                  "Give the revision once.")
         revision = revision or ref_rev or "main"
-        api = HfApi(endpoint=self._endpoint(endpoint), token=self._token(token))
+        api = HfApi(endpoint=self._endpoint(endpoint), token=self._token(token, endpoint))
         with _hub_errors(repo, revision, self._endpoint(endpoint), sub):
             info = api.model_info(repo, revision=revision)
             entries = [e for e in api.list_repo_tree(repo, path_in_repo=sub or None, revision=info.sha,
@@ -223,11 +231,22 @@ class HubSource(AdapterSource):
             with _hub_errors(repo, resolved.revision, self._endpoint(endpoint)):
                 path = hf_hub_download(
                     repo, f.name, subfolder=sub or None, revision=resolved.revision, local_dir=dest / ".hub",
-                    endpoint=self._endpoint(endpoint), token=self._token(token),
+                    endpoint=self._endpoint(endpoint), token=self._token(token, endpoint),
                     tqdm_class=_progress_class(f.name, progress, cancel),
                 )
             os.replace(path, dest / f.name)
         shutil.rmtree(dest / ".hub", ignore_errors=True)
+
+
+def own_endpoint() -> str:
+    """The Hub the daemon itself was configured for: its HF_ENDPOINT, else huggingface.co."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def _normalized(url: str) -> str:
+    return url.strip().rstrip("/").lower()
 
 
 def _progress_class(file: str, progress: ProgressFn, cancel: threading.Event):

@@ -11,12 +11,17 @@ Invariants:
 - With an API key, every route but ``/health`` wants ``Authorization: Bearer KEY``, compared in
   constant time. Without one (loopback only, see ``settings``), requests must name a loopback
   host in ``Host``: a web page cannot reach the API through DNS rebinding.
+- HTTP never grants more than the socket would: without a key, a call that changes state
+  (anything but reads and generation, see :func:`changes_state`) is served only to a loopback
+  peer whose uid the socket's rule allows (``peers``); refusals are 403s, audited. Generation
+  never names a folder over HTTP (the core refuses ``allow_folders=False``).
 - A body is read only up to ``max_body_bytes`` (413 past it) and must be declared JSON: a
   browser cannot send that cross-origin without a CORS preflight, which this app never grants.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -29,11 +34,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from loractl import __version__
 from loractl.errors import LoractlError
+from loractld.api import audit
 from loractld.api.http import models
 from loractld.api.http.errors import HttpError, error_response, from_domain
 from loractld.api.http.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
                                         UnloadLoraAdapterRequest, parse)
 from loractld.api.http.serving import Limiter, Serving
+from loractld.api.peers import may_change_state, tcp_peer_uid
 
 if TYPE_CHECKING:
     from loractld.api.http.settings import HttpSettings
@@ -41,16 +48,19 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("loractld.http")
 _OPEN_PATHS = {"/health"}
+GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
+_OPERATIONS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "evict"}
+PEER_UID = "loractl.peer_uid"   # the scope key the guard leaves the caller's uid under
 
 
-def build_app(core: Core, settings: HttpSettings):
+def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = None):
     """The ASGI app: the FastAPI routes behind :class:`Guard`."""
     app = FastAPI(title="loractld", version=__version__, redoc_url=None,
                   description="OpenAI-compatible API of a loractl daemon: the base model and its LoRA adapters.")
-    serving = Serving(core, Limiter(settings.max_concurrency))
+    serving = Serving(core, Limiter(settings.max_concurrency), max_choices=settings.max_choices)
 
     async def body_of(request: Request, model):
-        return parse(await read_body(request, settings.max_body_bytes), model)
+        return parse(await read_body(request, settings.max_body_bytes, settings.body_timeout_s), model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -130,11 +140,12 @@ def build_app(core: Core, settings: HttpSettings):
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "See the daemon's log.",
                               code="internal")
 
-    return Guard(app, api_key=settings.api_key)
+    return Guard(app, api_key=settings.api_key, socket_gid=socket_gid)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused past ``limit`` bytes (before reading, when it says its length)."""
+async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The whole body, refused past ``limit`` bytes (before reading, when it says its length)
+    or when it takes longer than ``timeout_s`` to arrive (408: a trickled body holds nothing)."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise HttpError(415, "the request body must be JSON, sent with Content-Type: application/json",
                         "With curl: -H 'Content-Type: application/json'.", code="unsupported_media_type")
@@ -144,30 +155,53 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError as e:
+        raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s",
+                        "Send the body at once, or raise loractld --http-body-timeout.", code="body_timeout",
+                        headers={"Connection": "close"}) from e
     return b"".join(chunks)
 
 
 def principal(request: Request) -> str:
     """Who made a call, for the audit log (the socket's lines say uid and pid)."""
-    client = request.client
-    return f"http={client.host}:{client.port}" if client else "http=-"
+    return principal_of(request.scope)
+
+
+def principal_of(scope) -> str:
+    """``uid=N http=HOST:PORT``; the uid when the guard found it (loopback peers)."""
+    client = scope.get("client")
+    uid = scope.get(PEER_UID)
+    where = f"http={client[0]}:{client[1]}" if client else "http=-"
+    return f"uid={uid} {where}" if uid is not None else where
+
+
+def changes_state(scope) -> bool:
+    """Everything but reads and generation from stored adapters: load, unload, and any route
+    added later, until it is listed here as harmless."""
+    return scope["method"] not in ("GET", "HEAD") and scope["path"] not in GENERATION_PATHS
 
 
 class Guard:
-    """Authentication (API key) or, without a key, loopback-only Host names; see the module."""
+    """Authentication (API key) or, without a key, loopback-only Host names, and the socket's
+    rule for calls that change state; see the module."""
 
-    def __init__(self, app, *, api_key: bytes | None) -> None:
+    def __init__(self, app, *, api_key: bytes | None, socket_gid: int | None = None) -> None:
         self.app = app
         self.api_key = api_key
+        self.socket_gid = socket_gid
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             refusal = self._refusal(scope)
+            if refusal is None and changes_state(scope):
+                refusal = await self._state_change_refusal(scope)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
@@ -189,6 +223,24 @@ class Guard:
             return None
         return error_response(401, "missing or wrong API key", "Send the header: Authorization: Bearer KEY.",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _state_change_refusal(self, scope) -> Response | None:
+        """With a key, its holder may change state. Without one, HTTP grants what the socket
+        would: the loopback peer's uid (from the kernel) must be root, the daemon's user or in
+        its socket group; an unknown uid is refused."""
+        client, server = scope.get("client"), scope.get("server")
+        uid = await asyncio.to_thread(tcp_peer_uid, tuple(client), tuple(server)) if client and server else None
+        scope[PEER_UID] = uid
+        if self.api_key is not None or (uid is not None and may_change_state(uid, None, self.socket_gid)):
+            return None
+        operation = _OPERATIONS.get(scope["path"], scope["path"])
+        audit.record(principal_of(scope), operation, "(request not read)", "denied")
+        who = f"uid {uid}" if uid is not None else "a caller whose uid is unknown"
+        return error_response(403, f"{who} may not {operation} over HTTP without an API key: only root, the "
+                                   "daemon's user and its socket group may change adapters",
+                              "Start loractld with --api-key-file FILE and send 'Authorization: Bearer KEY', "
+                              "or use the socket as a user who may (loractl pull/load/evict).",
+                              code="permission_denied")
 
 
 def _host_name(value: str) -> str:

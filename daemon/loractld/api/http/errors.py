@@ -23,7 +23,8 @@ STATUS = {
     "disk_full": 507, "internal": 500,
 }
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 431: "invalid_request_error",
           415: "invalid_request_error",
           429: "rate_limit_error"}
 

@@ -21,6 +21,7 @@ import uvicorn
 
 from loractl.errors import LoractlError
 from loractld.api.http.app import build_app
+from loractld.api.http.connections import capped_protocol
 from loractld.api.http.settings import HttpSettings, describe_key_state, format_url
 from loractld.core import Core
 
@@ -43,13 +44,18 @@ class HttpFrontEnd:
 
     @classmethod
     async def start(cls, core: Core, settings: HttpSettings, sock: socket.socket, *, grace_s: float = 5.0,
-                    debug: bool = False) -> HttpFrontEnd:
+                    debug: bool = False, socket_gid: int | None = None) -> HttpFrontEnd:
         host, port = sock.getsockname()[:2]
         if not debug:
             for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
                 logging.getLogger(name).setLevel(logging.WARNING)
-        config = uvicorn.Config(build_app(core, settings), lifespan="off", log_config=None, access_log=debug,
-                                server_header=False, ws="none", timeout_graceful_shutdown=grace_s)
+        config = uvicorn.Config(build_app(core, settings, socket_gid=socket_gid), lifespan="off", log_config=None,
+                                access_log=debug, server_header=False, ws="none", timeout_graceful_shutdown=grace_s)
+        config.load()
+        config.http_protocol_class = capped_protocol(config.http_protocol_class,
+                                                     max_connections=settings.max_connections,
+                                                     header_timeout_s=settings.header_timeout_s,
+                                                     max_head_bytes=settings.max_header_bytes)
         server = _InLoopServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:

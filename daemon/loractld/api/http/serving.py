@@ -11,6 +11,8 @@ Invariants:
 - A client that goes away (before or during the answer) cancels every choice, which aborts
   them in the engine; a :class:`Run` releases its concurrency slot exactly once, however it ends.
 - ``n`` > 1 follows vLLM: choice ``i`` samples with ``seed + i`` when a seed is given.
+- One request asks for at most ``max_choices`` generations (prompts x ``n``), refused with 400
+  before any is tokenized.
 """
 
 from __future__ import annotations
@@ -166,9 +168,10 @@ def sampling_for(body: ChatCompletionRequest | CompletionRequest, defaults: dict
 
 
 class Serving:
-    def __init__(self, core: Core, limiter: Limiter) -> None:
+    def __init__(self, core: Core, limiter: Limiter, *, max_choices: int = 128) -> None:
         self.core = core
         self.limiter = limiter
+        self.max_choices = max_choices
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         messages = [m.as_core() for m in body.messages]
@@ -180,6 +183,12 @@ class Serving:
         return await self._serve(request, body, prompts, _CompletionFormat(body))
 
     async def _serve(self, request: Request, body, prompts: list[GenerationRequest], fmt) -> Response:
+        if len(prompts) * body.n > self.max_choices:
+            # One HTTP request counts once against --http-max-concurrency: this bounds what it holds.
+            raise HttpError(400, f"{len(prompts)} prompt(s) x n={body.n} asks for {len(prompts) * body.n} "
+                                 f"generations, over this daemon's limit of {self.max_choices} per request",
+                            "Split the prompts over several requests, or raise loractld --http-max-choices.",
+                            param="prompt" if len(prompts) > 1 else "n", code="too_many_choices")
         try:
             run = await until_disconnected(request, self._start(body, prompts))
             if body.stream:

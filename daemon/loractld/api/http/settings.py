@@ -22,6 +22,11 @@ from loractl.errors import InvalidRequest, LoractlError
 _log = logging.getLogger("loractld.http")
 DEFAULT_MAX_BODY = 4 << 20
 DEFAULT_MAX_CONCURRENCY = 256
+DEFAULT_MAX_CHOICES = 128          # prompts x n in one request: vLLM's CPU default of sequences per step
+DEFAULT_MAX_CONNECTIONS = 512      # well under the usual 1024 file descriptors a process starts with
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_HEADER = 64 << 10      # request line and headers; uvicorn's h11 mode allows 16 KiB
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,14 @@ class HttpSettings:
     api_key: bytes | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_choices: int = DEFAULT_MAX_CHOICES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    max_header_bytes: int = DEFAULT_MAX_HEADER
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
 
 
-def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int) -> None:
+def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int, positive_seconds) -> None:
     parser.add_argument("--http", metavar="HOST:PORT",
                         help="also serve the OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8000 (default: off)")
     parser.add_argument("--api-key-file", metavar="FILE",
@@ -42,6 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int) -> 
                         help="refuse HTTP request bodies larger than this with 413 (default: 4MiB)")
     parser.add_argument("--http-max-concurrency", type=positive_int, default=DEFAULT_MAX_CONCURRENCY, metavar="N",
                         help="answer generation requests past N at once with 429 (default: 256)")
+    parser.add_argument("--http-max-choices", type=positive_int, default=DEFAULT_MAX_CHOICES, metavar="N",
+                        help="refuse a request for more than N generations (prompts x n) with 400 "
+                             f"(default: {DEFAULT_MAX_CHOICES})")
+    parser.add_argument("--http-max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                        help="answer HTTP connections past N open ones with 503 and close them "
+                             f"(default: {DEFAULT_MAX_CONNECTIONS})")
+    parser.add_argument("--http-header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
+                        metavar="SECONDS", help="close a connection whose request head (line and headers) is not "
+                                                f"complete after this long (default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--http-max-header-size", type=parse_size, default=DEFAULT_MAX_HEADER, metavar="SIZE",
+                        help="answer a request line and headers larger than this with 431 and close the "
+                             "connection (default: 64KiB)")
+    parser.add_argument("--http-body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                        metavar="SECONDS", help="answer 408 when a request body takes longer than this to arrive "
+                                                f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
 
 
 def settings_from(args: argparse.Namespace) -> HttpSettings:
@@ -49,7 +74,10 @@ def settings_from(args: argparse.Namespace) -> HttpSettings:
     address = parse_address(args.http) if args.http else None
     key = read_api_key(Path(args.api_key_file)) if args.api_key_file else None
     settings = HttpSettings(address=address, api_key=key, max_body_bytes=args.http_max_body,
-                            max_concurrency=args.http_max_concurrency)
+                            max_concurrency=args.http_max_concurrency, max_choices=args.http_max_choices,
+                            max_connections=args.http_max_connections, header_timeout_s=args.http_header_timeout,
+                            max_header_bytes=args.http_max_header_size,
+                            body_timeout_s=args.http_body_timeout)
     if address is not None:
         check_listener(settings, *address)
     return settings
