@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA_DIR = Path(__file__).parent.parent / "demo_data"  # loractld/demo_data, beside models/
+DATA_DIR = Path(__file__).with_name("demo_data")  # models/demo_data, beside this module
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Part of every adapter's cache key: a change to how training computes (not only to its data or
 # settings) must retrain the cached adapters. 2: the loss projects answer positions only.
