@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loractl.errors import InvalidAdapter
+from loractl.errors import AdapterNotFound, InvalidAdapter
 
 if TYPE_CHECKING:
     from loractld.engine.client import Engine
@@ -85,6 +85,11 @@ class Preflight:
         if reason is None:
             self._passed.add(digest)
             return
+        if not Path(path, "adapter_config.json").exists():
+            # The folder went (an rm, a new revision) while the engine looked: that says nothing
+            # of the content, so nothing is remembered against its digest.
+            raise AdapterNotFound(f"adapter {label!r} left the store while it was being checked",
+                                  "It was removed or replaced meanwhile: loractl ls shows what is there now.")
         error = InvalidAdapter(
             f"vLLM {engine.vllm_version} cannot load this adapter for {Path(engine.settings.model).name}: {reason}",
             "The engine's own loader refused it (loractl's checks passed): fix the adapter or use one made "
