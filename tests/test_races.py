@@ -26,11 +26,25 @@ from loractld.serving.tiers import PersistentState, Tiers
 class _Ref:
     label: str
     engine_id: int
+    path: Path = Path("/nonexistent")
+
+
+class _Lease:
+    def release(self) -> None:
+        pass
+
+
+class _Folders:
+    """No folders: the engine double loads nothing from disk."""
+
+    def lease(self, path: Path) -> _Lease:
+        return _Lease()
 
 
 class _Resolver:
     def __init__(self, names: list[str]) -> None:
         self.refs = {n: _Ref(n, i + 1) for i, n in enumerate(names)}
+        self.store = _Folders()
 
     def resolve(self, name: str) -> _Ref:
         return self.refs[name]
@@ -320,3 +334,33 @@ def test_rm_of_one_name_keeps_the_adapter_another_name_has(paused, demo, referen
     out = run_cli("run", "--lora", "twin/a", "-t", "0", "-n", "8", "hi", "--socket", sock)
     assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hi"), folder, 8)) + "\n"
     assert run_cli("rm", "twin/a", "--socket", sock).returncode == 0
+
+
+def test_rm_during_a_pin_is_refused_and_the_pin_stands(paused, demo):
+    """A pin held between its cap check and its record while ``rm --force`` comes: before, the rm
+    went through and the pin then recorded a pin of a name that was gone (holding one of the few
+    pin places); now the rm is refused in one line, the pin completes, and a later rm works."""
+    import subprocess
+
+    from conftest import BIN, run_cli
+
+    sock = str(paused.socket)
+    name = "pinned-then-rm/v1"
+    assert run_cli("pull", str(demo / "adapters" / "poet" / "v1"), "--name", name, "--socket", sock).returncode == 0
+    arming = paused.pauses / "pin-claimed"
+    arming.touch()
+    pin = subprocess.Popen([str(BIN / "loractl"), "pin", name, "--to", "host", "--socket", sock],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused.pauses / "pin-claimed.reached", pin)
+        refused = run_cli("rm", name, "--force", "--socket", sock)
+    finally:
+        arming.unlink(missing_ok=True)
+        (paused.pauses / "pin-claimed.reached").unlink(missing_ok=True)
+    assert refused.returncode != 0 and "busy with another command" in refused.stderr, refused
+    assert pin.wait(60) == 0, pin.communicate()
+    listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", "--socket", sock).stdout)}
+    assert listed[name]["pin"] == "host"
+    assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
+    status = json.loads(run_cli("status", "--json", "--socket", sock).stdout)
+    assert status["capacity"]["pins"] == 0

@@ -29,6 +29,7 @@ The engine is passed in, so the policy can be driven by a fault-injecting stand-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -261,39 +262,45 @@ class Tiers:
         self.metrics.inc("loractl_adapter_requests_total", (("adapter", name),))
 
     # -- operations -----------------------------------------------------------------------
-    async def load(self, name: str, to: str = "device", *, reason: str = "explicit") -> Residency:
+    async def load(self, name: str, to: str = "device", *, reason: str = "explicit",
+                   adapter: AdapterRef | None = None) -> Residency:
+        """Load ``name`` (or the revision of it already resolved: ``adapter``) to a tier."""
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot load to {to!r}", "Use --to device or --to host.")
-        adapter = self.resolver.resolve(name)
-        if to == "host" and self.state.pin_of(name) == "device":
-            raise _pinned_to_device(name, "move it to host RAM")
-        async with self._lock:
-            usage = self.usage.setdefault(name, Usage())
-            usage.state, usage.error = "loading", ""
-            before = self._last.residency(adapter.engine_id)
-            began = time.perf_counter()
-            try:
-                for tier in ("host", "device"):
-                    self._reasons[(adapter.engine_id, tier)] = reason
-                await self.engine.add_adapter(adapter)
-                if to == "host":
-                    await self.engine.deactivate_adapter(adapter.engine_id)
-            except asyncio.CancelledError:
-                usage.state, usage.error = "ready", ""   # the caller went away: nothing failed
-                raise
-            except Exception as e:
-                usage.state, usage.error = "failed", str(e)
-                self.metrics.inc("loractl_adapter_load_failures_total")
-                self.events.publish(Event("FAILED", name, message=str(e), reason=reason))
-                raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
-            elapsed = time.perf_counter() - began
-            usage.state = "ready"
-            if before.tier != to:
-                self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
-                self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
-            state = await self.sync()
-            self._reasons.clear()
-            return state.residency(adapter.engine_id)
+        adapter = adapter or self.resolver.resolve(name)
+        lease = self._lease(adapter)
+        try:
+            if to == "host" and self.state.pin_of(name) == "device":
+                raise _pinned_to_device(name, "move it to host RAM")
+            async with self._lock:
+                usage = self.usage.setdefault(name, Usage())
+                usage.state, usage.error = "loading", ""
+                before = self._last.residency(adapter.engine_id)
+                began = time.perf_counter()
+                try:
+                    for tier in ("host", "device"):
+                        self._reasons[(adapter.engine_id, tier)] = reason
+                    await self.engine.add_adapter(adapter)
+                    if to == "host":
+                        await self.engine.deactivate_adapter(adapter.engine_id)
+                except asyncio.CancelledError:
+                    usage.state, usage.error = "ready", ""   # the caller went away: nothing failed
+                    raise
+                except Exception as e:
+                    usage.state, usage.error = "failed", str(e)
+                    self.metrics.inc("loractl_adapter_load_failures_total")
+                    self.events.publish(Event("FAILED", name, message=str(e), reason=reason))
+                    raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
+                elapsed = time.perf_counter() - began
+                usage.state = "ready"
+                if before.tier != to:
+                    self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
+                    self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
+                state = await self.sync()
+                self._reasons.clear()
+                return state.residency(adapter.engine_id)
+        finally:
+            lease.release()
 
     async def evict(self, name: str, source: str = "device") -> Residency:
         if source not in ("device", "host"):
@@ -328,37 +335,56 @@ class Tiers:
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
-        current = self.state.pin_of(name)
-        self._claim_pin(name, to, current)
+        lease = self._lease(adapter)
         try:
-            await testhooks.pause("pin-claimed")
-            if current == "device" and to == "host":
-                await self._unpin_in_engine(adapter.engine_id, "device")
-            if to == "device":
-                await self.gate.reserve(adapter.engine_id)
-            asked_engine = False
+            current = self.state.pin_of(name)
+            self._claim_pin(name, to, current)
             try:
-                await self.load(name, "device", reason=reason)
-                async with self._lock:
-                    asked_engine = True
-                    if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                        # Evicted again between the load and the pin (a step's lazy load): once more.
-                        await self.engine.add_adapter(adapter)
+                await testhooks.pause("pin-claimed")
+                if current == "device" and to == "host":
+                    await self._unpin_in_engine(adapter.engine_id, "device")
+                if to == "device":
+                    await self.gate.reserve(adapter.engine_id)
+                asked_engine = False
+                try:
+                    await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
+                    async with self._lock:
+                        asked_engine = True
                         if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                            raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
-                                               "Retry; if it persists, see the daemon's log.")
-            except BaseException:
-                if to == "device" and current != "device":  # the place taken above goes back
-                    if asked_engine:
-                        await self._unpin_in_engine(adapter.engine_id, "device")
-                    else:
-                        self.gate.unreserve(adapter.engine_id)
-                raise
-            async with self._lock:
-                if current != to:
-                    self.state.set_pin(name, to)
-                self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-                return (await self.sync()).residency(adapter.engine_id)
+                            # Evicted again between the load and the pin (a step's lazy load): once more.
+                            await self.engine.add_adapter(adapter)
+                            if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
+                                raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
+                                                   "Retry; if it persists, see the daemon's log.")
+                except BaseException:
+                    if to == "device" and current != "device":  # the place taken above goes back
+                        if asked_engine:
+                            await self._unpin_in_engine(adapter.engine_id, "device")
+                        else:
+                            self.gate.unreserve(adapter.engine_id)
+                    raise
+                async with self._lock:
+                    if current != to:
+                        self.state.set_pin(name, to)
+                    self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
+                    return (await self.sync()).residency(adapter.engine_id)
+            finally:
+                del self._claims[name]
+        finally:
+            lease.release()
+
+    def _lease(self, adapter: AdapterRef):
+        """Lease ``adapter``'s folder while an operation may load it into the engine: an ``rm`` or
+        a new revision meanwhile must not delete what vLLM is about to read."""
+        return self.resolver.store.lease(adapter.path)
+
+    @contextlib.contextmanager
+    def claimed(self, name: str):
+        """Hold ``name`` against pins and unpins for the body (``rm``): a pin in progress would
+        otherwise record a pin of a name that is gone."""
+        self._claim_pin(name, "", self.state.pin_of(name))
+        try:
+            yield
         finally:
             del self._claims[name]
 
@@ -366,9 +392,9 @@ class Tiers:
         """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
         other pin can check between. Counts recorded pins and claims of pins in progress."""
         if name in self._claims:
-            raise InvalidRequest(f"{name!r} is being pinned or unpinned by another command",
+            raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                  "Wait for it to finish, then retry.")
-        if to != current:
+        if to and to != current:
             held = {n for n in (self.state.pins if to == "host" else self.state.device_pins)}
             held |= {n for n, t in self._claims.items() if t == to}
             held.discard(name)
