@@ -364,3 +364,22 @@ def test_rm_during_a_pin_is_refused_and_the_pin_stands(paused, demo):
     assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
     status = json.loads(run_cli("status", "--json", "--socket", sock).stdout)
     assert status["capacity"]["pins"] == 0
+
+
+def test_an_unpin_gives_back_the_place_of_the_revision_its_pin_holds(tmp_path):
+    """A new revision of the name lands while its device pin is between check and record (the
+    storm's leak): the pin holds the revision it resolved. Before the fix the unpin released the
+    id the name resolves to now, and the pinned revision kept its gate place for good (the gate
+    full of pins: every request for an unpinned adapter waited until its deadline)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        with testhooks.armed("pin-claimed") as point:
+            pin = asyncio.ensure_future(tiers.pin("a", "device"))
+            await point.until_reached()
+            tiers.resolver.refs["a"] = _Ref("a", 9)      # a new revision of "a" installed meanwhile
+            point.release()
+            await pin
+        assert tiers.gate.pinned == {1}
+        await tiers.unpin("a")
+        assert tiers.gate.pinned == set() and tiers.gate.free == 2
+    asyncio.run(go())

@@ -156,6 +156,10 @@ class Tiers:
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
         self._lock = asyncio.Lock()
         self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
+        # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
+        # the revision pinned, which a new revision or a pin racing a pull can make differ from
+        # what the name resolves to now. Unpins release this id, never a re-resolved one.
+        self._pinned_ids: dict[str, int] = {}
         self._seq = -1                      # the last journal record applied; -1: none read yet
         self._asked = self._answered = 0    # sync tickets handed out / covered by a finished read
         self._read: asyncio.Future | None = None
@@ -342,7 +346,9 @@ class Tiers:
             try:
                 await testhooks.pause("pin-claimed")
                 if current == "device" and to == "host":
-                    await self._unpin_in_engine(adapter.engine_id, "device")
+                    await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), "device")
+                # A place this call takes (not one the id holds already) goes back if the pin fails.
+                reserving = to == "device" and adapter.engine_id not in self.gate.pinned
                 if to == "device":
                     await self.gate.reserve(adapter.engine_id)
                 asked_engine = False
@@ -357,7 +363,7 @@ class Tiers:
                                 raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
                                                    "Retry; if it persists, see the daemon's log.")
                 except BaseException:
-                    if to == "device" and current != "device":  # the place taken above goes back
+                    if reserving:  # the place taken above goes back
                         if asked_engine:
                             await self._unpin_in_engine(adapter.engine_id, "device")
                         else:
@@ -366,6 +372,7 @@ class Tiers:
                 async with self._lock:
                     if current != to:
                         self.state.set_pin(name, to)
+                    self._pinned_ids[name] = adapter.engine_id
                     self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
                     return (await self.sync()).residency(adapter.engine_id)
             finally:
@@ -417,7 +424,7 @@ class Tiers:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
         self._claim_pin(name, "", current)
         try:
-            await self._unpin_in_engine(adapter.engine_id, current)
+            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), current)
             async with self._lock:
                 self.state.set_pin(name, "")
                 self.events.publish(Event("UNPINNED", name))
@@ -437,7 +444,10 @@ class Tiers:
         """A new revision of a pinned adapter was installed: move the pin over to it."""
         to = self.state.pin_of(name)
         if to:
-            await self._unpin_in_engine(old_id, to)
+            if name in self._claims:  # before anything moves: the pin stays on the old revision
+                raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
+                                     f"Pin it again once that is done: loractl pin {name} --to {to}")
+            await self._unpin_in_engine(self._pinned_ids.pop(name, old_id), to)
             await self.pin(name, to, reason="new revision")
 
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
@@ -446,7 +456,7 @@ class Tiers:
         which stays loaded."""
         pin = self.state.pin_of(name)
         if pin:
-            await self._unpin_in_engine(adapter.engine_id, pin)
+            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), pin)
             self.state.set_pin(name, "")
             self.events.publish(Event("UNPINNED", name, reason="rm"))
         if not unload:
