@@ -19,7 +19,8 @@ from loractl.errors import InvalidRequest
 from loractld import testhooks
 from loractld.events import EventBus, Metrics
 from loractld.serving.admission import FirstCome, Gate
-from loractld.serving.tiers import PersistentState, Tiers
+from loractld.serving.pins import PersistentState
+from loractld.serving.tiers import Tiers
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from loractl.errors import InvalidRequest, LoractlError
@@ -42,7 +40,7 @@ from loractld.store.identity import AdapterRef, AdapterResolver
 from loractld.serving.admission import Gate
 from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
-from loractld.store.disk import write_json_atomic
+from loractld.serving.pins import PersistentState
 
 _log = logging.getLogger("loractld.tiers")
 TIERS = ("device", "host", "disk")
@@ -103,39 +101,6 @@ class EngineState:
         slot = self.slots.index(engine_id) if engine_id in self.slots else -1
         pin = "device" if engine_id in self.pinned_device else "host" if engine_id in self.pinned else ""
         return Residency(tier, bool(pin), slot, self.host_bytes.get(engine_id, 0), pin)
-
-
-class PersistentState:
-    """Pins, by adapter name, in ``state.json`` (written atomically): ``pins`` in host RAM (the
-    key older daemons wrote and read), ``device_pins`` in a device slot."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.pins: list[str] = []
-        self.device_pins: list[str] = []
-        if path.is_file():
-            try:
-                saved = json.loads(path.read_text())
-                self.pins = [str(n) for n in saved.get("pins", [])]
-                self.device_pins = [str(n) for n in saved.get("device_pins", []) if n not in self.pins]
-            except (ValueError, AttributeError, TypeError) as e:
-                _log.warning("ignoring unreadable %s: %s", path, e)
-
-    def pin_of(self, name: str) -> str:
-        return "device" if name in self.device_pins else "host" if name in self.pins else ""
-
-    def set_pin(self, name: str, to: str) -> None:
-        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once."""
-        for pins in (self.pins, self.device_pins):
-            if name in pins:
-                pins.remove(name)
-        if to:
-            (self.device_pins if to == "device" else self.pins).append(name)
-        self.save()
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"pins": self.pins, "device_pins": self.device_pins})
 
 
 class Tiers:
