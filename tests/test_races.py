@@ -384,3 +384,25 @@ def test_an_unpin_gives_back_the_place_of_the_revision_its_pin_holds(tmp_path):
         await tiers.unpin("a")
         assert tiers.gate.pinned == set() and tiers.gate.free == 2
     asyncio.run(go())
+
+
+def test_a_pin_the_engine_refuses_is_an_error_and_gives_its_place_back(tmp_path):
+    """The worker's pin answers False when the adapter left the engine between the load and the
+    pin (a step's lazy load evicted it): once is retried; twice is one clear error, no pin is
+    recorded and the gate's place goes back (before, the False was ignored and the pin recorded)."""
+    from loractl.errors import LoractlError
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        answers = [False, True]
+
+        async def pin_adapter(engine_id, *, device=False):
+            return answers.pop(0) if answers else False
+        tiers.engine.pin_adapter = pin_adapter
+        await tiers.pin("a", "device")                       # False, then True: pinned
+        assert tiers.state.device_pins == ["a"] and tiers.gate.pinned == {1}
+        await tiers.unpin("a")
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.pin("b", "device")                   # False twice
+        assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
+    asyncio.run(go())
