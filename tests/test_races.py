@@ -19,18 +19,33 @@ from loractl.errors import InvalidRequest
 from loractld import testhooks
 from loractld.events import EventBus, Metrics
 from loractld.serving.admission import FirstCome, Gate
-from loractld.serving.tiers import PersistentState, Tiers
+from loractld.serving.pins import PersistentState
+from loractld.serving.tiers import Tiers
 
 
 @dataclass(frozen=True)
 class _Ref:
     label: str
     engine_id: int
+    path: Path = Path("/nonexistent")
+
+
+class _Lease:
+    def release(self) -> None:
+        pass
+
+
+class _Folders:
+    """No folders: the engine double loads nothing from disk."""
+
+    def lease(self, path: Path) -> _Lease:
+        return _Lease()
 
 
 class _Resolver:
     def __init__(self, names: list[str]) -> None:
         self.refs = {n: _Ref(n, i + 1) for i, n in enumerate(names)}
+        self.store = _Folders()
 
     def resolve(self, name: str) -> _Ref:
         return self.refs[name]
@@ -320,3 +335,74 @@ def test_rm_of_one_name_keeps_the_adapter_another_name_has(paused, demo, referen
     out = run_cli("run", "--lora", "twin/a", "-t", "0", "-n", "8", "hi", "--socket", sock)
     assert out.stdout == reference.text(reference.greedy(reference.chat_ids("hi"), folder, 8)) + "\n"
     assert run_cli("rm", "twin/a", "--socket", sock).returncode == 0
+
+
+def test_rm_during_a_pin_is_refused_and_the_pin_stands(paused, demo):
+    """A pin held between its cap check and its record while ``rm --force`` comes: before, the rm
+    went through and the pin then recorded a pin of a name that was gone (holding one of the few
+    pin places); now the rm is refused in one line, the pin completes, and a later rm works."""
+    import subprocess
+
+    from conftest import BIN, run_cli
+
+    sock = str(paused.socket)
+    name = "pinned-then-rm/v1"
+    assert run_cli("pull", str(demo / "adapters" / "poet" / "v1"), "--name", name, "--socket", sock).returncode == 0
+    arming = paused.pauses / "pin-claimed"
+    arming.touch()
+    pin = subprocess.Popen([str(BIN / "loractl"), "pin", name, "--to", "host", "--socket", sock],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(paused.pauses / "pin-claimed.reached", pin)
+        refused = run_cli("rm", name, "--force", "--socket", sock)
+    finally:
+        arming.unlink(missing_ok=True)
+        (paused.pauses / "pin-claimed.reached").unlink(missing_ok=True)
+    assert refused.returncode != 0 and "busy with another command" in refused.stderr, refused
+    assert pin.wait(60) == 0, pin.communicate()
+    listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", "--socket", sock).stdout)}
+    assert listed[name]["pin"] == "host"
+    assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
+    status = json.loads(run_cli("status", "--json", "--socket", sock).stdout)
+    assert status["capacity"]["pins"] == 0
+
+
+def test_an_unpin_gives_back_the_place_of_the_revision_its_pin_holds(tmp_path):
+    """A new revision of the name lands while its device pin is between check and record (the
+    storm's leak): the pin holds the revision it resolved. Before the fix the unpin released the
+    id the name resolves to now, and the pinned revision kept its gate place for good (the gate
+    full of pins: every request for an unpinned adapter waited until its deadline)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        with testhooks.armed("pin-claimed") as point:
+            pin = asyncio.ensure_future(tiers.pin("a", "device"))
+            await point.until_reached()
+            tiers.resolver.refs["a"] = _Ref("a", 9)      # a new revision of "a" installed meanwhile
+            point.release()
+            await pin
+        assert tiers.gate.pinned == {1}
+        await tiers.unpin("a")
+        assert tiers.gate.pinned == set() and tiers.gate.free == 2
+    asyncio.run(go())
+
+
+def test_a_pin_the_engine_refuses_is_an_error_and_gives_its_place_back(tmp_path):
+    """The worker's pin answers False when the adapter left the engine between the load and the
+    pin (a step's lazy load evicted it): once is retried; twice is one clear error, no pin is
+    recorded and the gate's place goes back (before, the False was ignored and the pin recorded)."""
+    from loractl.errors import LoractlError
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        answers = [False, True]
+
+        async def pin_adapter(engine_id, *, device=False):
+            return answers.pop(0) if answers else False
+        tiers.engine.pin_adapter = pin_adapter
+        await tiers.pin("a", "device")                       # False, then True: pinned
+        assert tiers.state.device_pins == ["a"] and tiers.gate.pinned == {1}
+        await tiers.unpin("a")
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.pin("b", "device")                   # False twice
+        assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
+    asyncio.run(go())

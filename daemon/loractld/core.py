@@ -413,14 +413,15 @@ class Core:
                                  "or remove it anyway with --force.")
         unloaded = False
         ref = self._resolve_quietly(catalog, name)
-        # The name goes first, so no new request resolves it; the folder stays while a request
-        # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
-        # mid-request, and a missing folder kills the engine core (found by bench/soak.py).
-        removed = await asyncio.to_thread(catalog.store.remove, name)
-        if ref is not None:
-            # Another name with the same content is the same adapter in the engine: keep it there.
-            shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
-            unloaded = await tiers.forget(name, ref, unload=not shared)
+        with tiers.claimed(name):  # no pin of it starts or ends meanwhile
+            # The name goes first, so no new request resolves it; the folder stays while a request
+            # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
+            # mid-request, and a missing folder kills the engine core (found by bench/soak.py).
+            removed = await asyncio.to_thread(catalog.store.remove, name)
+            if ref is not None:
+                # Another name with the same content is the same adapter in the engine: keep it there.
+                shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
+                unloaded = await tiers.forget(name, ref, unload=not shared)
         self.events.publish(Event("DELETED_FROM_DISK", name))
         _log.info("removed %s (%s)", name, removed.path)
         return RemovedView(AdapterView.of(removed), unloaded)
@@ -495,14 +496,22 @@ class Core:
         once nothing uses it."""
         from loractld.store.disk import files_digest
 
-        if previous is not None and previous.manifest.get("files") and self.tiers is not None and self.engine is not None:
-            old_digest = files_digest(previous.manifest["files"])
-            old_id = catalog.resolver.id_for(old_digest)
-            await self.tiers.repin(name, old_id)
-            if not catalog.store.leases.held(previous.path) and \
-                    not await asyncio.to_thread(self._other_names_of, catalog, old_digest):
-                await self.engine.remove_adapter(old_id)
-        await asyncio.to_thread(catalog.store.collect_garbage)
+        try:
+            if previous is not None and previous.manifest.get("files") and self.tiers is not None and \
+                    self.engine is not None:
+                old_digest = files_digest(previous.manifest["files"])
+                old_id = catalog.resolver.id_for(old_digest)
+                try:
+                    await self.tiers.repin(name, old_id)
+                except LoractlError as e:  # the new revision is installed: the pull stands
+                    _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
+                    self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",
+                                              reason="new revision"))
+                if not catalog.store.leases.held(previous.path) and \
+                        not await asyncio.to_thread(self._other_names_of, catalog, old_digest):
+                    await self.engine.remove_adapter(old_id)
+        finally:
+            await asyncio.to_thread(catalog.store.collect_garbage)
 
     @staticmethod
     def _other_names_of(catalog: Catalog, digest: str) -> list[str]:

@@ -37,7 +37,8 @@ from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
-from loractld.serving.tiers import PersistentState, Tiers
+from loractld.serving.pins import PersistentState
+from loractld.serving.tiers import Tiers
 from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
 if TYPE_CHECKING:

@@ -29,11 +29,10 @@ The engine is passed in, so the policy can be driven by a fault-injecting stand-
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 from loractl.errors import InvalidRequest, LoractlError
@@ -41,7 +40,7 @@ from loractld.store.identity import AdapterRef, AdapterResolver
 from loractld.serving.admission import Gate
 from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
-from loractld.store.disk import write_json_atomic
+from loractld.serving.pins import PersistentState
 
 _log = logging.getLogger("loractld.tiers")
 TIERS = ("device", "host", "disk")
@@ -104,39 +103,6 @@ class EngineState:
         return Residency(tier, bool(pin), slot, self.host_bytes.get(engine_id, 0), pin)
 
 
-class PersistentState:
-    """Pins, by adapter name, in ``state.json`` (written atomically): ``pins`` in host RAM (the
-    key older daemons wrote and read), ``device_pins`` in a device slot."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.pins: list[str] = []
-        self.device_pins: list[str] = []
-        if path.is_file():
-            try:
-                saved = json.loads(path.read_text())
-                self.pins = [str(n) for n in saved.get("pins", [])]
-                self.device_pins = [str(n) for n in saved.get("device_pins", []) if n not in self.pins]
-            except (ValueError, AttributeError, TypeError) as e:
-                _log.warning("ignoring unreadable %s: %s", path, e)
-
-    def pin_of(self, name: str) -> str:
-        return "device" if name in self.device_pins else "host" if name in self.pins else ""
-
-    def set_pin(self, name: str, to: str) -> None:
-        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once."""
-        for pins in (self.pins, self.device_pins):
-            if name in pins:
-                pins.remove(name)
-        if to:
-            (self.device_pins if to == "device" else self.pins).append(name)
-        self.save()
-
-    def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"pins": self.pins, "device_pins": self.device_pins})
-
-
 class Tiers:
     def __init__(self, engine: TierEngine, resolver: AdapterResolver, state: PersistentState, events: EventBus,
                  metrics: Metrics, gate: Gate, *, max_loras: int, max_cpu_loras: int,
@@ -155,6 +121,10 @@ class Tiers:
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
         self._lock = asyncio.Lock()
         self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
+        # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
+        # the revision pinned, which a new revision or a pin racing a pull can make differ from
+        # what the name resolves to now. Unpins release this id, never a re-resolved one.
+        self._pinned_ids: dict[str, int] = {}
         self._seq = -1                      # the last journal record applied; -1: none read yet
         self._asked = self._answered = 0    # sync tickets handed out / covered by a finished read
         self._read: asyncio.Future | None = None
@@ -261,39 +231,45 @@ class Tiers:
         self.metrics.inc("loractl_adapter_requests_total", (("adapter", name),))
 
     # -- operations -----------------------------------------------------------------------
-    async def load(self, name: str, to: str = "device", *, reason: str = "explicit") -> Residency:
+    async def load(self, name: str, to: str = "device", *, reason: str = "explicit",
+                   adapter: AdapterRef | None = None) -> Residency:
+        """Load ``name`` (or the revision of it already resolved: ``adapter``) to a tier."""
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot load to {to!r}", "Use --to device or --to host.")
-        adapter = self.resolver.resolve(name)
-        if to == "host" and self.state.pin_of(name) == "device":
-            raise _pinned_to_device(name, "move it to host RAM")
-        async with self._lock:
-            usage = self.usage.setdefault(name, Usage())
-            usage.state, usage.error = "loading", ""
-            before = self._last.residency(adapter.engine_id)
-            began = time.perf_counter()
-            try:
-                for tier in ("host", "device"):
-                    self._reasons[(adapter.engine_id, tier)] = reason
-                await self.engine.add_adapter(adapter)
-                if to == "host":
-                    await self.engine.deactivate_adapter(adapter.engine_id)
-            except asyncio.CancelledError:
-                usage.state, usage.error = "ready", ""   # the caller went away: nothing failed
-                raise
-            except Exception as e:
-                usage.state, usage.error = "failed", str(e)
-                self.metrics.inc("loractl_adapter_load_failures_total")
-                self.events.publish(Event("FAILED", name, message=str(e), reason=reason))
-                raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
-            elapsed = time.perf_counter() - began
-            usage.state = "ready"
-            if before.tier != to:
-                self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
-                self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
-            state = await self.sync()
-            self._reasons.clear()
-            return state.residency(adapter.engine_id)
+        adapter = adapter or self.resolver.resolve(name)
+        lease = self._lease(adapter)
+        try:
+            if to == "host" and self.state.pin_of(name) == "device":
+                raise _pinned_to_device(name, "move it to host RAM")
+            async with self._lock:
+                usage = self.usage.setdefault(name, Usage())
+                usage.state, usage.error = "loading", ""
+                before = self._last.residency(adapter.engine_id)
+                began = time.perf_counter()
+                try:
+                    for tier in ("host", "device"):
+                        self._reasons[(adapter.engine_id, tier)] = reason
+                    await self.engine.add_adapter(adapter)
+                    if to == "host":
+                        await self.engine.deactivate_adapter(adapter.engine_id)
+                except asyncio.CancelledError:
+                    usage.state, usage.error = "ready", ""   # the caller went away: nothing failed
+                    raise
+                except Exception as e:
+                    usage.state, usage.error = "failed", str(e)
+                    self.metrics.inc("loractl_adapter_load_failures_total")
+                    self.events.publish(Event("FAILED", name, message=str(e), reason=reason))
+                    raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
+                elapsed = time.perf_counter() - began
+                usage.state = "ready"
+                if before.tier != to:
+                    self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
+                    self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
+                state = await self.sync()
+                self._reasons.clear()
+                return state.residency(adapter.engine_id)
+        finally:
+            lease.release()
 
     async def evict(self, name: str, source: str = "device") -> Residency:
         if source not in ("device", "host"):
@@ -328,37 +304,59 @@ class Tiers:
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
-        current = self.state.pin_of(name)
-        self._claim_pin(name, to, current)
+        lease = self._lease(adapter)
         try:
-            await testhooks.pause("pin-claimed")
-            if current == "device" and to == "host":
-                await self._unpin_in_engine(adapter.engine_id, "device")
-            if to == "device":
-                await self.gate.reserve(adapter.engine_id)
-            asked_engine = False
+            current = self.state.pin_of(name)
+            self._claim_pin(name, to, current)
             try:
-                await self.load(name, "device", reason=reason)
-                async with self._lock:
-                    asked_engine = True
-                    if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                        # Evicted again between the load and the pin (a step's lazy load): once more.
-                        await self.engine.add_adapter(adapter)
+                await testhooks.pause("pin-claimed")
+                if current == "device" and to == "host":
+                    await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), "device")
+                # A place this call takes (not one the id holds already) goes back if the pin fails.
+                reserving = to == "device" and adapter.engine_id not in self.gate.pinned
+                if to == "device":
+                    await self.gate.reserve(adapter.engine_id)
+                asked_engine = False
+                try:
+                    await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
+                    async with self._lock:
+                        asked_engine = True
                         if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                            raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
-                                               "Retry; if it persists, see the daemon's log.")
-            except BaseException:
-                if to == "device" and current != "device":  # the place taken above goes back
-                    if asked_engine:
-                        await self._unpin_in_engine(adapter.engine_id, "device")
-                    else:
-                        self.gate.unreserve(adapter.engine_id)
-                raise
-            async with self._lock:
-                if current != to:
-                    self.state.set_pin(name, to)
-                self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-                return (await self.sync()).residency(adapter.engine_id)
+                            # Evicted again between the load and the pin (a step's lazy load): once more.
+                            await self.engine.add_adapter(adapter)
+                            if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
+                                raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
+                                                   "Retry; if it persists, see the daemon's log.")
+                except BaseException:
+                    if reserving:  # the place taken above goes back
+                        if asked_engine:
+                            await self._unpin_in_engine(adapter.engine_id, "device")
+                        else:
+                            self.gate.unreserve(adapter.engine_id)
+                    raise
+                async with self._lock:
+                    if current != to:
+                        self.state.set_pin(name, to)
+                    self._pinned_ids[name] = adapter.engine_id
+                    self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
+                    return (await self.sync()).residency(adapter.engine_id)
+            finally:
+                del self._claims[name]
+        finally:
+            lease.release()
+
+    def _lease(self, adapter: AdapterRef):
+        """Lease ``adapter``'s folder while an operation may load it into the engine: an ``rm`` or
+        a new revision meanwhile must not delete what vLLM is about to read."""
+        return self.resolver.store.lease(adapter.path)
+
+    @contextlib.contextmanager
+    def claimed(self, name: str):
+        """Hold ``name`` against pins and unpins for the body (``rm``): a pin in progress would
+        otherwise record a pin of a name that is gone."""
+        self._claim_pin(name, "", self.state.pin_of(name))
+        try:
+            yield
         finally:
             del self._claims[name]
 
@@ -366,9 +364,9 @@ class Tiers:
         """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
         other pin can check between. Counts recorded pins and claims of pins in progress."""
         if name in self._claims:
-            raise InvalidRequest(f"{name!r} is being pinned or unpinned by another command",
+            raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                  "Wait for it to finish, then retry.")
-        if to != current:
+        if to and to != current:
             held = {n for n in (self.state.pins if to == "host" else self.state.device_pins)}
             held |= {n for n, t in self._claims.items() if t == to}
             held.discard(name)
@@ -391,7 +389,7 @@ class Tiers:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
         self._claim_pin(name, "", current)
         try:
-            await self._unpin_in_engine(adapter.engine_id, current)
+            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), current)
             async with self._lock:
                 self.state.set_pin(name, "")
                 self.events.publish(Event("UNPINNED", name))
@@ -411,7 +409,10 @@ class Tiers:
         """A new revision of a pinned adapter was installed: move the pin over to it."""
         to = self.state.pin_of(name)
         if to:
-            await self._unpin_in_engine(old_id, to)
+            if name in self._claims:  # before anything moves: the pin stays on the old revision
+                raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
+                                     f"Pin it again once that is done: loractl pin {name} --to {to}")
+            await self._unpin_in_engine(self._pinned_ids.pop(name, old_id), to)
             await self.pin(name, to, reason="new revision")
 
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
@@ -420,7 +421,7 @@ class Tiers:
         which stays loaded."""
         pin = self.state.pin_of(name)
         if pin:
-            await self._unpin_in_engine(adapter.engine_id, pin)
+            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), pin)
             self.state.set_pin(name, "")
             self.events.publish(Event("UNPINNED", name, reason="rm"))
         if not unload:

@@ -1,0 +1,48 @@
+"""The pins file: which adapters are pinned where, by name, across restarts (``state.json``).
+
+Only :class:`loractld.serving.tiers.Tiers` changes it (it owns the pin caps and the gate's
+places that go with the pins); start-up (``loractld.lifecycle.open_state``) prunes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from loractld.store.disk import write_json_atomic
+
+_log = logging.getLogger("loractld.tiers")
+
+
+class PersistentState:
+    """Pins, by adapter name, in ``state.json`` (written atomically): ``pins`` in host RAM (the
+    key older daemons wrote and read), ``device_pins`` in a device slot."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pins: list[str] = []
+        self.device_pins: list[str] = []
+        if path.is_file():
+            try:
+                saved = json.loads(path.read_text())
+                self.pins = [str(n) for n in saved.get("pins", [])]
+                self.device_pins = [str(n) for n in saved.get("device_pins", []) if n not in self.pins]
+            except (ValueError, AttributeError, TypeError) as e:
+                _log.warning("ignoring unreadable %s: %s", path, e)
+
+    def pin_of(self, name: str) -> str:
+        return "device" if name in self.device_pins else "host" if name in self.pins else ""
+
+    def set_pin(self, name: str, to: str) -> None:
+        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once."""
+        for pins in (self.pins, self.device_pins):
+            if name in pins:
+                pins.remove(name)
+        if to:
+            (self.device_pins if to == "device" else self.pins).append(name)
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, {"pins": self.pins, "device_pins": self.device_pins})
