@@ -57,6 +57,11 @@ def _check_name(kind: str, value: str) -> str:
 
 
 def _default_root(home: str | None) -> Path:
+    """``$LORACTL_REGISTRY``, else the layout's: daemons with homes of their own (one daemon per
+    home, one per GPU) share a registry by naming the same folder here."""
+    shared = os.environ.get("LORACTL_REGISTRY")
+    if shared:
+        return Path(shared).expanduser().absolute()
     return paths.layout(home).runtime_dir / "registry"
 
 

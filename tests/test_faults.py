@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ENGINE_FLAGS, collect, run_cli, start_daemon
+from conftest import BIN, ENGINE_FLAGS, collect, run_cli, start_daemon, sub_home
 from loractl.errors import EngineUnavailable, LoractlError
 from loractl.registry import ServiceDiscovery
 from test_errors import assert_one_error
@@ -185,8 +185,9 @@ def test_64_clients_while_tiers_churn(daemon, demo, reference):
 
 def test_the_cli_routes_to_the_daemon_holding_the_adapter(daemon, home, demo, reference):
     """Two ready daemons in one registry: plain commands ask which one, --instance picks,
-    and run/chat go to the daemon that already holds the adapter on device."""
-    other = start_daemon(home, name="r")
+    and run/chat go to the daemon that already holds the adapter on device. One daemon per
+    home, so the second has its own and joins the first's registry through LORACTL_REGISTRY."""
+    other = start_daemon(sub_home(home, "routed"), name="r", env={"LORACTL_REGISTRY": str(home / "registry")})
     try:
         name = "routed/v1"
         assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name,

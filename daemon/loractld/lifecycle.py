@@ -65,7 +65,8 @@ class DaemonSettings:
 
 class HomeInUse(LoractlError):
     kind = "home_in_use"
-    default_hint = "Stop the other daemon first, or give this one another --home."
+    default_hint = ("Stop the other daemon first, or give this one a home of its own (--home DIR); daemons "
+                    "with their own homes share a registry through LORACTL_REGISTRY.")
 
 
 LOCK_FILE = "loractld.lock"
