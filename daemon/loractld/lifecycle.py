@@ -28,6 +28,8 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate,
 from loractld.api.grpc_service import LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
+from loractld.api.dynamo import DynamoSettings
+from loractld.api.dynamo.worker import join as join_dynamo
 from loractld.models.basemodel import describe
 from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
@@ -58,6 +60,7 @@ class DaemonSettings:
     http: HttpSettings = field(default_factory=HttpSettings)   # the OpenAI-compatible API (off: no address)
     admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.serving.admission)
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
+    dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
 
 
 class SocketInUse(LoractlError):
@@ -236,6 +239,7 @@ async def serve(settings: DaemonSettings) -> int:
 
     engine: Engine | None = None
     watchdog: asyncio.Task | None = None
+    dynamo = None
     exit_code = 0
     engine_task = asyncio.create_task(start_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -262,6 +266,7 @@ async def serve(settings: DaemonSettings) -> int:
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
             tiers.start_following()
+            dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
@@ -274,6 +279,8 @@ async def serve(settings: DaemonSettings) -> int:
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
+        if dynamo is not None:
+            await dynamo.leave()  # the fleet stops routing here before the drain
         if core.engine_died:
             exit_code = 1
         cancelled = await core.drain(settings.shutdown_grace_s)
@@ -286,6 +293,8 @@ async def serve(settings: DaemonSettings) -> int:
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()
+        if dynamo is not None:
+            await dynamo.close()
         if http is not None:
             await http.close()
         server.close()

@@ -15,6 +15,7 @@ from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
 from loractld.api.http import settings as http_settings
+from loractld.api import dynamo as dynamo_settings
 from loractld.engine.client import EngineSettings
 from loractld.lifecycle import DaemonSettings, serve
 
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--socket-group", metavar="GROUP",
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
     http_settings.add_arguments(p, parse_size, positive_int)
+    dynamo_settings.add_arguments(p)
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -132,7 +134,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
-                          admission_max_wait_s=args.admission_max_wait)
+                          admission_max_wait_s=args.admission_max_wait, dynamo=dynamo_settings.settings_from(args))
 
 
 def _read_template(path: str) -> str:
