@@ -15,6 +15,7 @@ def _settings(*flags: str):
 
 def test_flags_default_off_and_check_the_namespace():
     assert not _settings().dynamo.enabled
+    assert not _settings().auto_pull and _settings("--auto-pull").auto_pull
     on = _settings("--dynamo", "--dynamo-discovery", "file", "--dynamo-namespace", "lab-1").dynamo
     assert (on.enabled, on.discovery, on.generate_path) == (True, "file", "lab-1.loractl.generate")
     with pytest.raises(InvalidRequest, match="not a Dynamo namespace"):

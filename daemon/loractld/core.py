@@ -39,6 +39,7 @@ from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
+from loractld import ondemand
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StatusView)
 
@@ -76,6 +77,7 @@ class GenerationRequest:
     # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
     sampling: Sampling = field(default_factory=Sampling)
     allow_folders: bool = True      # False for network clients: they may name stored adapters only
+    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.ondemand)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class Core:
         self.socket_path = socket_path
         self.home = home
         self.served_model_name = served_model_name
+        self.auto_pull = False      # --auto-pull: see loractld.ondemand
         self.http_url = ""          # set by the HTTP front end once it listens
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()
@@ -281,8 +284,9 @@ class Core:
         given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
-        adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
-        name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
+        lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
+        adapter = self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
+        name = lora if adapter is not None and not os.path.isabs(lora) else None
         if request.messages is not None:
             if not request.messages:
                 raise InvalidRequest("no messages", "Send at least one message.")

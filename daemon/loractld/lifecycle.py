@@ -61,6 +61,7 @@ class DaemonSettings:
     admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.serving.admission)
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
     dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
+    auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.ondemand)
 
 
 class SocketInUse(LoractlError):
@@ -199,6 +200,7 @@ async def serve(settings: DaemonSettings) -> int:
                                f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
     core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
                 served_model_name=settings.served_model_name or settings.engine.model)
+    core.auto_pull = settings.auto_pull
     server = Server([LoractlService(core, socket_gid=socket_gid)])
     if activated is not None:
         await server.start(sock=activated)

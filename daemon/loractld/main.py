@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
     http_settings.add_arguments(p, parse_size, positive_int)
     dynamo_settings.add_arguments(p)
+    p.add_argument("--auto-pull", action="store_true",
+                   help="a request naming a Hub reference (org/repo) that is not in the store pulls it first; "
+                        "over HTTP only with --api-key-file (default: off)")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -134,7 +137,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
-                          admission_max_wait_s=args.admission_max_wait, dynamo=dynamo_settings.settings_from(args))
+                          admission_max_wait_s=args.admission_max_wait, dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull)
 
 
 def _read_template(path: str) -> str:

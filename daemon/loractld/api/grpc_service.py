@@ -128,6 +128,7 @@ class LoractlService(LoractlBase):
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
             lora=request.lora, sampling=_sampling_from(request.sampling),
+            allow_pull=True,  # socket peers may change state: they may pull (loractld --auto-pull)
         ))
         produced = 0
         async with contextlib.aclosing(self.core.run(prepared)) as deltas:
