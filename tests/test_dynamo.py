@@ -97,14 +97,19 @@ def fleet(home: Path, demo: Path):
                             model=str(demo / "model"), env={**env, "DYN_SYSTEM_PORT": str(ports[name])})
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        daemons = dict(zip("ab", pool.map(start, "ab")))
-    a, b = Worker(daemons["a"], ports["a"]), Worker(daemons["b"], ports["b"])
-    result = b.cli("pull", str(demo / "adapters" / ADAPTER), "--name", ADAPTER)
-    assert result.returncode == 0, result.stderr
-    yield {"a": a, "b": b, "kv": kv, "env": env, "root": root}
-    for worker in (a, b):
-        if worker.daemon.proc.poll() is None:
-            worker.daemon.stop()
+        starting = {name: pool.submit(start, name) for name in "ab"}
+    daemons = {name: f.result() for name, f in starting.items() if f.exception() is None}
+    try:
+        for f in starting.values():
+            f.result()  # a failed start, after the other daemon is in hand to be stopped
+        a, b = Worker(daemons["a"], ports["a"]), Worker(daemons["b"], ports["b"])
+        result = b.cli("pull", str(demo / "adapters" / ADAPTER), "--name", ADAPTER)
+        assert result.returncode == 0, result.stderr
+        yield {"a": a, "b": b, "kv": kv, "env": env, "root": root}
+    finally:
+        for daemon in daemons.values():
+            if daemon.proc.poll() is None:
+                daemon.stop()
 
 
 def discovery(kv: Path) -> dict[int, set[str]]:
