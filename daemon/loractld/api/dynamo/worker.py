@@ -68,6 +68,7 @@ class DynamoWorker:
         self._llm, self._exceptions = llm, exceptions
         status = await self.core.status()
         self.model_path, self.max_loras = status.engine.model, status.engine.max_loras
+        self._limits = (status.engine.max_model_len, status.engine.max_num_seqs)
         try:
             self.runtime = DistributedRuntime(asyncio.get_running_loop(), self.settings.discovery, "tcp")
         except Exception as e:  # the runtime's own errors (etcd unreachable, no DYN_FILE_KV) are plain Exceptions
@@ -79,7 +80,8 @@ class DynamoWorker:
         events = self.core.events.subscribe()
         try:
             await llm.register_model(llm.ModelInput.Tokens, self._types, self.endpoint, self.model_path,
-                                     self.core.served_model_name, worker_type=llm.WorkerType.Aggregated)
+                                     self.core.served_model_name, worker_type=llm.WorkerType.Aggregated,
+                                     runtime_config=self._runtime_config())
             self._registered_base = True
             for name in sorted(await self.stored_names()):
                 await self.publish(name)
@@ -98,6 +100,13 @@ class DynamoWorker:
                   self.core.served_model_name, len(self._cards))
 
     # -- cards ----------------------------------------------------------------------------
+    def _runtime_config(self):
+        """The engine's limits in force (the context may be lowered to fit the KV cache), so the
+        frontend reports and checks those, not the model config's."""
+        config = self._llm.ModelRuntimeConfig()
+        config.context_length, config.max_num_seqs = self._limits
+        return config
+
     async def stored_names(self) -> set[str]:
         return {a.name for a in await self.core.list_adapters()}
 
@@ -115,7 +124,8 @@ class DynamoWorker:
             await llm.register_model(llm.ModelInput.Tokens, self._types, self.endpoint, self.model_path,
                                      worker_type=llm.WorkerType.Aggregated, lora_name=name,
                                      base_model_path=self.model_path, max_gpu_lora_count=self.max_loras,
-                                     user_data={"lora_adapter": True, "lora_id": self.lora_id(name)})
+                                     user_data={"lora_adapter": True, "lora_id": self.lora_id(name)},
+                                     runtime_config=self._runtime_config())
             self._cards.add(name)
             _log.info("dynamo: published the LoRA card of %s", name)
 
