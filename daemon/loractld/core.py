@@ -46,6 +46,7 @@ from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
 from loractld.store.preflight import Preflight
+from loractld import ondemand
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StatusView)
 
@@ -85,6 +86,7 @@ class GenerationRequest:
     # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
     sampling: Sampling = field(default_factory=Sampling)
     allow_folders: bool = True      # False for network clients: they may name stored adapters only
+    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.ondemand)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class Core:
         self.socket_path = socket_path
         self.home = home
         self.served_model_name = served_model_name
+        self.auto_pull = False      # --auto-pull: see loractld.ondemand
         self.http_url = ""          # set by the HTTP front end once it listens
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()
@@ -291,8 +294,9 @@ class Core:
         given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
-        adapter = self._resolve_adapter(catalog, request.lora, request.allow_folders) if request.lora else None
-        name = request.lora if adapter is not None and not os.path.isabs(request.lora) else None
+        lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
+        adapter = self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
+        name = lora if adapter is not None and not os.path.isabs(lora) else None
         # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
         lease = catalog.store.lease(adapter.path) if adapter is not None else None
         try:

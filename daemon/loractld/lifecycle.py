@@ -28,6 +28,8 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate,
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
+from loractld.api.dynamo import DynamoSettings
+from loractld.api.dynamo.worker import join as join_dynamo
 from loractld.models.basemodel import describe, refresh_shapes
 from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
@@ -61,6 +63,8 @@ class DaemonSettings:
     admission_policy: str = DEFAULT_POLICY      # which adapter a freed device slot goes to (loractld.serving.admission)
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # the largest gRPC request message read
+    dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
+    auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.ondemand)
 
 
 class HomeInUse(LoractlError):
@@ -254,6 +258,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                                f"Create it (groupadd {settings.socket_group}) or drop --socket-group.") from e
     core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
                 served_model_name=settings.served_model_name or settings.engine.model)
+    core.auto_pull = settings.auto_pull
     server = Server([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
     if activated is not None:
         await server.start(sock=activated)
@@ -297,6 +302,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
 
     engine: Engine | None = None
     watchdog: asyncio.Task | None = None
+    dynamo = None
     exit_code = 0
     engine_task = asyncio.create_task(start_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -323,6 +329,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
             tiers.start_following()
+            dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
@@ -335,6 +342,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
+        if dynamo is not None:
+            await dynamo.leave()  # the fleet stops routing here before the drain
         if core.engine_died:
             exit_code = 1
         cancelled = await core.drain(settings.shutdown_grace_s)
@@ -347,6 +356,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         if watchdog is not None:
             watchdog.cancel()
         publisher.close()
+        if dynamo is not None:
+            await dynamo.close()
         if http is not None:
             await http.close()
         server.close()

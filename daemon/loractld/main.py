@@ -17,6 +17,7 @@ from loractld.api import audit
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings
+from loractld.api import dynamo as dynamo_settings
 from loractld.engine.client import EngineSettings
 from loractld.lifecycle import DaemonSettings, serve
 
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse socket (gRPC) request messages larger than this with RESOURCE_EXHAUSTED, before "
                         "reading them (default: 4MiB)")
     http_settings.add_arguments(p, parse_size, positive_int, positive_seconds)
+    dynamo_settings.add_arguments(p)
+    p.add_argument("--auto-pull", action="store_true",
+                   help="a request naming a Hub reference (org/repo) that is not in the store pulls it first; "
+                        "over HTTP only with --api-key-file (default: off)")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -144,7 +149,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
-                          admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size)
+                          admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size,
+                          dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull)
 
 
 def _read_template(path: str) -> str:

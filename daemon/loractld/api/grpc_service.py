@@ -167,6 +167,7 @@ class LoractlService(LoractlBase):
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
             lora=request.lora, sampling=_sampling_from(request.sampling),
+            allow_pull=True,  # socket peers may change state: they may pull (loractld --auto-pull)
         )
         if os.path.isabs(request.lora):
             # A folder is read with the daemon's rights and takes an engine slot: a state change.

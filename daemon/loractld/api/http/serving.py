@@ -168,10 +168,11 @@ def sampling_for(body: ChatCompletionRequest | CompletionRequest, defaults: dict
 
 
 class Serving:
-    def __init__(self, core: Core, limiter: Limiter, *, max_choices: int = 128) -> None:
+    def __init__(self, core: Core, limiter: Limiter, *, max_choices: int = 128, allow_pull: bool = False) -> None:
         self.core = core
         self.limiter = limiter
         self.max_choices = max_choices
+        self.allow_pull = allow_pull
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         messages = [m.as_core() for m in body.messages]
@@ -221,7 +222,8 @@ class Serving:
             choices = []
             for prompt in prompts:
                 prepared = await self.core.prepare(dataclasses.replace(prompt, lora=lora, sampling=sampling,
-                                                                       allow_folders=False))
+                                                                       allow_folders=False,
+                                                                       allow_pull=self.allow_pull))
                 for i in range(body.n):
                     seed = None if sampling.seed is None else sampling.seed + i
                     choices.append(dataclasses.replace(prepared, sampling=dataclasses.replace(prepared.sampling,
