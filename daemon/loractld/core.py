@@ -39,8 +39,9 @@ from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
+from loractld.startup import StartupProgress
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
-                            StatusView)
+                            StartupView, StatusView)
 
 if TYPE_CHECKING:
     from loractld.store.identity import AdapterRef, AdapterResolver
@@ -118,6 +119,7 @@ class Core:
         self.events = EventBus()
         self.metrics = Metrics()
         self.startup_error: LoractlError | None = None
+        self.startup = StartupProgress()   # the start-up stage, for status; lifecycle reports to it
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.draining = False
@@ -246,7 +248,8 @@ class Core:
                           ready=self.ready, uptime_s=time.monotonic() - self.started,
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
                           requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url,
-                          admission=self._admission_view())
+                          admission=self._admission_view(),
+                          startup=self.startup.view() if engine is None and self.startup_error is None else StartupView())
 
     def _admission_view(self) -> AdmissionView:
         gate = self.gate
