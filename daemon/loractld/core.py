@@ -39,6 +39,7 @@ from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
+from loractld.models.naming import relabel_model
 from loractld.startup import StartupProgress
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
                             StartupView, StatusView)
@@ -46,6 +47,7 @@ from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConf
 if TYPE_CHECKING:
     from loractld.store.identity import AdapterRef, AdapterResolver
     from loractld.models.basemodel import BaseModel
+    from loractld.models.naming import ModelName
     from loractld.engine.client import Engine
     from loractld.store.pulls import Puller, PullEvent
     from loractld.store.disk import Store, StoredAdapter
@@ -120,6 +122,7 @@ class Core:
         self.metrics = Metrics()
         self.startup_error: LoractlError | None = None
         self.startup = StartupProgress()   # the start-up stage, for status; lifecycle reports to it
+        self.model_name: ModelName | None = None  # the base model as users know it, once resolved
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.draining = False
@@ -226,7 +229,9 @@ class Core:
             config = EngineConfigView(model=s.model, device=engine.device, dtype=engine.dtype, max_loras=s.max_loras,
                                       max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                                       max_model_len=engine.max_model_len, vllm_version=engine.vllm_version,
-                                      kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs)
+                                      kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs,
+                                      model_name=self.model_label, model_arg=self.model_name.asked
+                                      if self.model_name else "")
         if engine is not None and tiers is not None and catalog is not None:
             self._refuse_if_engine_dead(engine)
             try:
@@ -262,6 +267,13 @@ class Core:
         return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
                              active=len(gate.unpinned_active()), queued=len(gate.queue),
                              max_wait_s=float(getattr(gate.policy, "max_wait_s", 0.0)), requests=requests)
+
+    @property
+    def model_label(self) -> str:
+        """The base model's name in status, the registry and the metrics' ``model_name`` label."""
+        if self.model_name is not None:
+            return self.model_name.name
+        return self.served_model_name or (self.engine.settings.model if self.engine else "")
 
     # -- generation -----------------------------------------------------------------------
     def base_model_names(self) -> set[str]:
@@ -459,8 +471,9 @@ class Core:
             return self.metrics.render()
         # What routers score this daemon by, counted at the gate and named as clients name them.
         return self.metrics.render() + scheduler_series(
-            self.gate, self.engine.settings.max_loras, self.engine.prometheus_text(),
-            self.served_model_name or self.engine.settings.model)
+            self.gate, self.engine.settings.max_loras,
+            relabel_model(self.engine.prometheus_text(), self.engine.settings.model, self.model_label),
+            self.model_label)
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod

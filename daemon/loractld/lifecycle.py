@@ -29,6 +29,7 @@ from loractld.api.grpc_service import LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
 from loractld.models.basemodel import describe
+from loractld.models.naming import name_model
 from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
 from loractld.publisher import Publisher
@@ -234,6 +235,7 @@ async def serve(settings: DaemonSettings) -> int:
 
     async def start_engine() -> Engine:
         model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home, core.startup.update)
+        core.model_name = name_model(settings.engine.model, model, settings.served_model_name)
         core.startup.update("model", "reading the base model")
         core.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
         await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
@@ -277,11 +279,11 @@ async def serve(settings: DaemonSettings) -> int:
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
-            systemd.notify("READY=1", f"STATUS=ready: {Path(engine.settings.model).name} on {engine.device}, "
+            systemd.notify("READY=1", f"STATUS=ready: {core.model_label} on {engine.device}, "
                                       f"{len(tiers.pinned_names())} pinned")
             watchdog = asyncio.create_task(_watchdog(systemd, core, stop))
-            _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
-                      engine.start_seconds)
+            _log.info("ready: model %s (%s) on %s (engine start %.1f s)", core.model_label, engine.settings.model,
+                      engine.device, engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")

@@ -57,7 +57,7 @@ class AdapterView:
 
 @dataclass
 class EngineConfigView:
-    model: str = ""
+    model: str = ""             # the folder (or Hub id) vLLM serves
     device: str = ""
     dtype: str = ""
     max_loras: int = 0
@@ -67,6 +67,8 @@ class EngineConfigView:
     vllm_version: str = ""
     kv_cache_bytes: int = 0
     max_num_seqs: int = 0
+    model_name: str = ""        # what users know it by: the Hub id, a GGUF's Hub id or file (models/naming.py)
+    model_arg: str = ""         # --model as given: demo, a .gguf file, a folder, a Hub id
 
 
 @dataclass

@@ -45,7 +45,10 @@ def status(
     table.add_column(style="bold")
     table.add_column()
     table.add_row("state", "[green]ready[/]" if info["ready"] else "[yellow]starting[/]")
-    table.add_row("model", engine["model"] or "-")
+    name, asked = engine.get("model_name") or engine["model"], engine.get("model_arg") or ""
+    table.add_row("model", (name or "-") + (f" (--model {asked})" if asked and asked != name else ""))
+    if engine["model"] and engine["model"] != name:
+        table.add_row("model folder", engine["model"])
     table.add_row("device", f"{engine['device'] or '-'} ({engine['dtype'] or '-'})")
     cap = info["capacity"]
     table.add_row("device slots", f"{cap['device_used']} used, {cap['device_slots'] - cap['device_used']} free "

@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs")
+    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs", "model_name", "model_arg")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class EngineConfig(_message.Message):
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARG_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -32,7 +34,9 @@ class EngineConfig(_message.Message):
     vllm_version: str
     kv_cache_bytes: int
     max_num_seqs: int
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    model_name: str
+    model_arg: str
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., model_name: _Optional[str] = ..., model_arg: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission", "startup")
