@@ -329,9 +329,11 @@ class Core:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
                 ticket = await gate.enter(adapter.engine_id if adapter else None,
                                           name or (adapter.label if adapter else ""))
+                label = (("adapter", ticket.label),)  # for loractl top's tokens/s per adapter
                 async with contextlib.aclosing(prepared.engine.generate(
                         prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
                     async for delta in deltas:
+                        self.metrics.inc("loractl_adapter_generated_tokens_total", label, len(delta.token_ids))
                         yield delta
         finally:
             if ticket is not None:
