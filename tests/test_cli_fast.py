@@ -266,3 +266,37 @@ def test_the_quick_registry_read_skips_what_the_full_one_would_question(tmp_path
     monkeypatch.delenv("LORACTL_INSTANCE")
     first.close()
     assert discovered_socket(str(tmp_path)) is None                      # its lock is gone: dead
+
+
+@pytest.mark.parametrize("width", [30, 60, 80, 200])
+def test_plain_pairs_is_rich_key_value_table_or_none(width):
+    """status and show print their key/value tables without rich into a pipe: exactly rich's text."""
+    import io
+    import random
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from loractl.cli._reads import plain_pairs
+
+    rng = random.Random(width)
+    checked = 0
+    for _ in range(80):
+        rows = [(rng.choice(["state", "model folder", "kv cache"]),
+                 rng.choice(["ready", "3 used, 1 free (host pins 0/2)", "/tmp/x/models/gguf-b179c9523d0e6a0f98a330c7",
+                             "http://127.0.0.1:8000/v1 (OpenAI-compatible)", "a [b] c", ":smile: x", "sha256:3dfd1c9b…", "x" * rng.randint(1, 90)]))
+                for _ in range(rng.randint(1, 5))]
+        text = plain_pairs(rows, width)
+        if text is None:
+            continue
+        for fold in (False, True):
+            table = Table(show_header=False, box=None, pad_edge=False)
+            table.add_column(style="bold")
+            table.add_column(overflow="fold" if fold else "ellipsis")
+            for key, value in rows:
+                table.add_row(key, value)
+            out = io.StringIO()
+            Console(file=out, width=width, highlight=False, color_system=None).print(table)
+            assert text == out.getvalue(), (rows, width)
+        checked += 1
+    assert checked >= 2

@@ -9,6 +9,8 @@ otherwise; either way it renders the same dict the same way.
 from __future__ import annotations
 
 import datetime
+import re
+import sys
 from typing import Any
 
 from loractl.cli._output import human_bytes, print_json, with_client
@@ -30,12 +32,8 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
         print_json(info)
         return
     engine = info["engine"]
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("state", "[green]ready[/]" if info["ready"] else "[yellow]starting[/]")
+    table = Pairs()
+    table.add_row("state", "ready" if info["ready"] else "starting")
     name, asked = engine.get("model_name") or engine["model"], engine.get("model_arg") or ""
     table.add_row("model", (name or "-") + (f" (--model {asked})" if asked and asked != name else ""))
     if engine["model"] and engine["model"] != name:
@@ -56,14 +54,15 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     gate = info.get("admission") or {}
     if gate.get("policy"):
         bound = f", hand-over after {gate['max_wait_s']:g} s" if gate["policy"] == "batching" else ""
-        table.add_row("admission", f"{gate['policy']}{bound}: {gate['active']} adapter(s) running, "
-                                   f"{gate['queued']} request(s) waiting for a slot (loractl ps)")
+        table.add_row("admission", f"{gate['policy']}{bound}")
+        table.add_row("slots", f"{gate['active']} adapter(s) running, {gate['queued']} request(s) waiting "
+                               "(loractl ps)")
     table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")
     table.add_row("daemon", f"loractld {info['version']}, vllm {engine['vllm_version'] or '-'}, pid {info['pid']}")
     table.add_row("socket", info["socket"])
     if info.get("http"):
         table.add_row("http", f"{info['http']}/v1 (OpenAI-compatible)")
-    _print(table)
+    table.print(colours={"ready": "green", "starting": "yellow"})
 
 
 
@@ -76,7 +75,7 @@ def requests_report(socket: str | None, home: str | None, json_output: bool) -> 
         print_json(requests)
         return
     if not requests:
-        _print("no requests in flight")
+        sys.stdout.write("no requests in flight\n")  # what rich prints, without its import
         return
     from rich.table import Table
 
@@ -101,11 +100,7 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
     if json_output:
         print_json(a)
         return
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
+    table = Pairs(fold=True)
     pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
     rows = [
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
@@ -123,7 +118,7 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
         rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
     for key, value in rows:
         table.add_row(key, value)
-    _print(table)
+    table.print()
 
 
 
@@ -131,3 +126,52 @@ def _print(renderable) -> None:
     from loractl.cli._output import stdout  # rich's console, made at first use
 
     stdout.print(renderable)
+
+
+# Text rich prints as it is in a two-column table: printable ASCII and …, no markup ([ or \), no
+# emoji code (:name:).
+_PLAIN_PAIR = re.compile(r"[ -Z\]-~…]*\Z")
+_EMOJI_CODE = re.compile(r":[\w+-]+:")
+
+
+class Pairs:
+    """A key/value table (``status``, ``show``), printed as rich prints ``Table(show_header=False,
+    box=None, pad_edge=False)`` with the keys bold; into a pipe without rich's import when rich
+    would only pad (``plain_pairs``)."""
+
+    def __init__(self, fold: bool = False) -> None:
+        self.rows: list[tuple[str, str]] = []
+        self.fold = fold
+
+    def add_row(self, key: str, value: str) -> None:
+        self.rows.append((key, value))
+
+    def print(self, colours: dict[str, str] | None = None) -> None:
+        from loractl.cli.listing import _plain_width
+
+        width = _plain_width()
+        text = plain_pairs(self.rows, width) if width else None
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        from rich.table import Table
+
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold" if self.fold else "ellipsis")
+        for key, value in self.rows:
+            colour = (colours or {}).get(value) if key == "state" else None
+            table.add_row(key, f"[{colour}]{value}[/]" if colour else value)
+        _print(table)
+
+
+def plain_pairs(rows: list[tuple[str, str]], width: int) -> str | None:
+    """``rows`` as rich prints them (see ``Pairs``) without colour, or None when rich would do
+    more than pad (wrap, interpret markup or emoji codes)."""
+    if not rows or not all(_PLAIN_PAIR.match(cell) and not _EMOJI_CODE.search(cell) for row in rows for cell in row):
+        return None
+    keys, values = max(len(k) for k, _ in rows), max(len(v) for _, v in rows)
+    if keys + 2 + values > width:
+        return None
+    return "".join(f"{k.ljust(keys)}  {v.ljust(values)}\n" for k, v in rows)
