@@ -1,10 +1,12 @@
-"""CLI start-up cost: `loractl --help` and `loractl ls` (against a running daemon) beside
-`python -c pass`, all on this machine in the same run; the figures are ratios to that floor.
+"""CLI start-up cost: `loractl --help`, and `ls`, `status`, `ps`, `show NAME` against a running
+daemon, each as typed (the registry finds the daemon: LORACTL_HOME set, no --socket) and with
+--socket, beside `python -c pass`, all on this machine in the same run; the figures are ratios
+to that floor (issue 26's bar: at most 8x for the everyday commands as typed).
 
-Usage:  .venv/bin/python bench/cli_speed.py [--socket PATH] [--runs N] [--json OUT]
+Usage:  .venv/bin/python bench/cli_speed.py [--home DIR --socket PATH] [--runs N] [--json OUT]
 
-Without --socket it starts a daemon on the embedded demo model in a temporary home (and
-stops it afterwards). Also checks that neither command imports torch or vllm.
+Without --socket it starts a daemon on the tiny test model in a temporary home, with one of
+its adapters pulled (and stops it afterwards). Also checks that no command imports torch or vllm.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+ADAPTER = "sql-expert/v1"   # pulled into the daemon this script starts
 
 
 def wall(cmd: list[str], runs: int, env: dict) -> list[float]:
@@ -50,6 +53,8 @@ def start_daemon(home: Path) -> subprocess.Popen:
         result = subprocess.run([str(BIN / "loractl"), "status", "--json", "--socket", str(sock)],
                                 capture_output=True, text=True)
         if result.returncode == 0 and json.loads(result.stdout)["ready"]:
+            subprocess.run([str(BIN / "loractl"), "pull", str(home / "tiny" / "adapters" / ADAPTER), "--name", ADAPTER,
+                            "--socket", str(sock)], capture_output=True, check=True)
             return proc
         time.sleep(0.5)
     raise SystemExit("the daemon did not come up")
@@ -58,31 +63,43 @@ def start_daemon(home: Path) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--socket")
+    parser.add_argument("--home", help="the daemon's home (its registry), with --socket")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     env = {**os.environ, "NO_COLOR": "1"}
     daemon = None
-    socket = args.socket
+    socket, home = args.socket, args.home
     if socket is None:
-        home = Path(tempfile.mkdtemp(prefix="lct-bench-", dir="/tmp"))
-        daemon = start_daemon(home)
-        socket = str(home / "d.sock")
+        home = tempfile.mkdtemp(prefix="lct-bench-", dir="/tmp")
+        daemon = start_daemon(Path(home))
+        socket = str(Path(home) / "d.sock")
+    typed = {**env, **({"LORACTL_HOME": str(home)} if home else {})}
+    typed.pop("LORACTL_SOCKET", None)
     try:
+        listing = json.loads(subprocess.run([str(BIN / "loractl"), "ls", "--json", "--socket", socket], env=env,
+                                            capture_output=True, text=True, check=True).stdout)
+        reads = {"ls": [], "status": [], "ps": []}
+        if listing:  # show needs an adapter
+            reads["show"] = [listing[0]["name"]]
         cases = {
-            "python -c pass": [sys.executable, "-c", "pass"],
-            "loractl --help": [str(BIN / "loractl"), "--help"],
-            "loractl ls": [str(BIN / "loractl"), "ls", "--socket", socket],
+            "python -c pass": ([sys.executable, "-c", "pass"], env),
+            "loractl --help": ([str(BIN / "loractl"), "--help"], env),
         }
-        results = {name: wall(cmd, args.runs, env) for name, cmd in cases.items()}
+        for command, argv in reads.items():
+            cases[f"loractl {command}"] = ([str(BIN / "loractl"), command, *argv], typed)
+            cases[f"loractl {command} --socket"] = ([str(BIN / "loractl"), command, *argv, "--socket", socket], env)
+        results = {name: wall(cmd, args.runs, case_env) for name, (cmd, case_env) in cases.items()}
         floor = statistics.median(results["python -c pass"])
         report = {
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "runs": args.runs,
+            "show": reads.get("show", [""])[0],
             "median_s": {k: round(statistics.median(v), 4) for k, v in results.items()},
             "p90_s": {k: round(sorted(v)[int(0.9 * (len(v) - 1))], 4) for k, v in results.items()},
             "ratio_to_python": {k: round(statistics.median(v) / floor, 2) for k, v in results.items()},
-            "heavy_imports": {"--help": imports_heavy(["--help"], env), "ls": imports_heavy(["ls", "--socket", socket], env)},
+            "heavy_imports": {"--help": imports_heavy(["--help"], env),
+                              **{command: imports_heavy([command, *argv], typed) for command, argv in reads.items()}},
         }
     finally:
         if daemon is not None:

@@ -205,7 +205,10 @@ class Client:
                          interval: float = 0.5) -> dict[str, Any]:
         """Poll the daemon until its engine is ready; return its status.
 
-        ``on_wait(elapsed_seconds)`` is called on every poll that found it still starting.
+        ``on_wait(elapsed_seconds, status)`` is called on every poll that found it still starting;
+        ``status`` is the daemon's answer (its ``startup`` says what it is doing), None while
+        it does not listen yet; once more with the ready status when it was called before, so
+        a live display can close its line.
         ``missing_ok``: a daemon not listening yet (a service starting) counts as starting;
         otherwise that is :class:`DaemonNotRunning` at once. Past ``timeout`` seconds:
         :class:`EngineUnavailable`.
@@ -214,10 +217,14 @@ class Client:
         import time
 
         began = time.monotonic()
+        waited = False
         while True:
+            info = None
             try:
                 info = await self.status()
                 if info["ready"]:
+                    if on_wait is not None and waited:
+                        on_wait(time.monotonic() - began, info)
                     return info
             except DaemonNotRunning:
                 if not missing_ok:
@@ -228,7 +235,8 @@ class Client:
                 raise EngineUnavailable(f"the daemon's engine was not ready after {timeout:.0f} s",
                                         "Its log says why (journalctl --user -u loractld, or where it runs).")
             if on_wait is not None:
-                on_wait(elapsed)
+                on_wait(elapsed, info)
+                waited = True
             await asyncio.sleep(interval)
 
     async def generate(

@@ -29,13 +29,15 @@ def test_lora_bench_smoke():
     assert report["floors"]["adapter_bytes"] > 0 and report["floors"]["disk_read_GBps"] > 0
 
 
-def test_cli_speed_smoke(daemon):
+def test_cli_speed_smoke(daemon, home):
     result = subprocess.run([sys.executable, str(REPO / "bench" / "cli_speed.py"), "--socket", str(daemon.socket),
-                             "--runs", "2"], capture_output=True, text=True, timeout=300)
+                             "--home", str(home), "--runs", "2"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["heavy_imports"] == {"--help": [], "ls": []}
-    assert set(report["ratio_to_python"]) == {"python -c pass", "loractl --help", "loractl ls"}
+    reads = ("ls", "status", "ps", "show")[:4 if report["show"] else 3]   # show: when the store has an adapter
+    assert report["heavy_imports"] == {"--help": [], **{command: [] for command in reads}}
+    assert set(report["ratio_to_python"]) == {"python -c pass", "loractl --help",
+                                              *(f"loractl {c}{s}" for c in reads for s in ("", " --socket"))}
 
 
 def test_serve_bench_smoke():

@@ -82,7 +82,7 @@ def test_help_env_names_every_variable_typer_and_rich_read():
 
 # The reference: loractl ls as before the fast paths, through Typer, the async Client and rich.
 SLOW_LS = ("import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import listing\n"
-           "listing._quick_list = lambda socket: None\nlisting._plain_width = lambda: None\n"
+           "listing._quick_list = lambda socket, home: None\nlisting._plain_width = lambda: None\n"
            "from loractl.cli.app import app\napp()\n")
 LS_REPORT = ("import sys\nimport atexit\natexit.register(lambda: print('LOADED', sorted({m for m in sys.modules "
              "if m in ('asyncio', 'grpclib.client', 'rich', 'typer', 'platformdirs')}), file=sys.stderr))\n")
@@ -212,3 +212,91 @@ def test_plain_table_is_rich_table_or_none(width):
             checked += 1
     # Each width must exercise the plain renderer (40 columns can fit no row: it must decline).
     assert checked > 0 if width > 40 else checked == 0
+
+
+# --- status, ps, show: the daemon found in the registry, as typed ------------------------------
+
+SLOW_READS = ("import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import _quick\n"
+              "_quick.reply = lambda *args: None\nfrom loractl.cli.app import app\napp()\n")
+READS_REPORT = ("import sys\nimport atexit\natexit.register(lambda: print('LOADED', sorted({m for m in sys.modules "
+                "if m in ('asyncio', 'grpclib.client', 'typer', 'loractl.registry', 'loractl.client')}), "
+                "file=sys.stderr))\n")
+_MOVING = re.compile(r"uptime|age_s|waited_s|last_used|\d+s ago")
+
+
+@pytest.mark.parametrize("argv", [["status"], ["status", "--json"], ["ps"], ["ps", "--json"], ["show", "nosuch/v1"]])
+def test_everyday_reads_as_typed_find_the_daemon_quickly_and_print_what_typer_prints(daemon, home, argv):
+    """No --socket: the registry under LORACTL_HOME names the daemon; read without asyncio,
+    grpclib, Typer or the registry module, and printed as the Typer command prints it."""
+    env = {"LORACTL_HOME": str(home), "NO_COLOR": "1"}
+    fast, slow = run(MAIN, argv, env=env, report=READS_REPORT), run(SLOW_READS, argv, env=env, report=READS_REPORT)
+    same = [ln for ln in fast.stdout.splitlines() if not _MOVING.search(ln)]
+    assert (same, fast.returncode) == ([ln for ln in slow.stdout.splitlines() if not _MOVING.search(ln)],
+                                       slow.returncode), (fast.stderr, slow.stderr)
+    assert fast.stderr.split("LOADED")[0] == slow.stderr.split("LOADED")[0]
+    if argv[0] == "show":  # an error: reported by the full client, as always
+        assert fast.returncode != 0 and "no adapter named 'nosuch/v1'" in fast.stderr, fast.stderr
+    else:
+        assert fast.returncode == 0 and "LOADED []" in fast.stderr, fast.stderr
+        assert "loractl.registry" in slow.stderr and "LOADED []" not in slow.stderr
+
+
+def test_the_quick_registry_read_skips_what_the_full_one_would_question(tmp_path, monkeypatch):
+    """Only the plain case: one ready instance in a folder only this user can write."""
+    from loractl.cli._quick_registry import discovered_socket
+    from loractl.registry import ServiceRegistry
+
+    monkeypatch.delenv("LORACTL_INSTANCE", raising=False)
+    registry = ServiceRegistry(home=str(tmp_path))
+    assert discovered_socket(str(tmp_path)) is None                      # no daemon
+    first = registry.register_instance("loractl", "loractld", metadata={"socket": "/x/a.sock"})
+    first.set_ready(True)
+    assert discovered_socket(str(tmp_path)) == "/x/a.sock"
+    second = registry.register_instance("loractl", "loractld", metadata={"socket": "/x/b.sock"})
+    second.set_ready(True)
+    assert discovered_socket(str(tmp_path)) is None                      # two: Client decides
+    second.close()
+    assert discovered_socket(str(tmp_path)) == "/x/a.sock"
+    folder = tmp_path / "registry" / "loractl" / "loractld"
+    folder.chmod(0o777)
+    assert discovered_socket(str(tmp_path)) is None                      # others could write entries
+    folder.chmod(0o700)
+    monkeypatch.setenv("LORACTL_INSTANCE", first.instance_id())
+    assert discovered_socket(str(tmp_path)) is None                      # --instance: Client decides
+    monkeypatch.delenv("LORACTL_INSTANCE")
+    first.close()
+    assert discovered_socket(str(tmp_path)) is None                      # its lock is gone: dead
+
+
+@pytest.mark.parametrize("width", [30, 60, 80, 200])
+def test_plain_pairs_is_rich_key_value_table_or_none(width):
+    """status and show print their key/value tables without rich into a pipe: exactly rich's text."""
+    import io
+    import random
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from loractl.cli._reads import plain_pairs
+
+    rng = random.Random(width)
+    checked = 0
+    for _ in range(80):
+        rows = [(rng.choice(["state", "model folder", "kv cache"]),
+                 rng.choice(["ready", "3 used, 1 free (host pins 0/2)", "/tmp/x/models/gguf-b179c9523d0e6a0f98a330c7",
+                             "http://127.0.0.1:8000/v1 (OpenAI-compatible)", "a [b] c", ":smile: x", "sha256:3dfd1c9b…", "x" * rng.randint(1, 90)]))
+                for _ in range(rng.randint(1, 5))]
+        text = plain_pairs(rows, width)
+        if text is None:
+            continue
+        for fold in (False, True):
+            table = Table(show_header=False, box=None, pad_edge=False)
+            table.add_column(style="bold")
+            table.add_column(overflow="fold" if fold else "ellipsis")
+            for key, value in rows:
+                table.add_row(key, value)
+            out = io.StringIO()
+            Console(file=out, width=width, highlight=False, color_system=None).print(table)
+            assert text == out.getvalue(), (rows, width)
+        checked += 1
+    assert checked >= 2

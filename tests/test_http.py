@@ -413,3 +413,42 @@ def test_health_metrics_and_registry(api):
     assert names(text) == names(socket) and "vllm:generation_tokens_total" in names(text)
     instances = json.loads(run_cli("instances", "--json", env={"LORACTL_HOME": str(api.daemon.home)}).stdout)
     assert any(i["metadata"].get("http") == api.url for i in instances), instances
+
+
+def test_the_model_is_named_as_users_know_it_with_its_folder_a_detail(api, home):
+    """--model tiny is served from <home>/tiny/model; status, /v1/models, the metrics and the
+    registry say loractl/demo-tiny-llama (the tiny model's id), the folder only as a detail."""
+    folder = str(home / "http" / "tiny" / "model")
+    status = json.loads(run_cli("status", "--json", "--socket", str(api.daemon.socket)).stdout)
+    assert (status["engine"]["model_name"], status["engine"]["model_arg"], status["engine"]["model"]) == \
+        ("loractl/demo-tiny-llama", "tiny", folder)
+    human = run_cli("status", "--socket", str(api.daemon.socket)).stdout
+    assert re.search(r"^model +loractl/demo-tiny-llama \(--model tiny\) *$", human, re.M), human
+    assert re.search(rf"^model folder +{re.escape(folder)} *$", human, re.M), human
+    card = api.get("/v1/models/tiny").json()
+    assert card["root"] == folder and card["loractl"]["model_name"] == "loractl/demo-tiny-llama"
+    api.post("/v1/completions", {"model": "sql-expert/v1", "prompt": "hi", "max_tokens": 2}).raise_for_status()
+    metrics = api.get("/metrics").text
+    labels = set(re.findall(r'model_name="([^"]*)"', metrics))
+    assert labels == {"loractl/demo-tiny-llama"}, labels        # vLLM's series too, not the folder
+    assert folder not in metrics and "@" not in "".join(re.findall(r'adapters?="([^"]*)"', metrics))
+    entry = json.loads(run_cli("instances", "--json", "--home", str(home / "http")).stdout)
+    mine = [i["metadata"] for i in entry if i["metadata"].get("model_path") == folder]
+    assert [m["model"] for m in mine] == ["loractl/demo-tiny-llama"], entry
+
+
+def test_model_names_follow_what_was_asked(tmp_path):
+    from loractld.models.naming import name_model, relabel_model
+
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    assert name_model("demo", str(folder)).name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert name_model("hf://org/repo/m-q4_k_m.gguf", "/cache/gguf-1").name == "org/repo"
+    assert name_model(str(tmp_path / "m.gguf"), str(folder)).name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert name_model(str(tmp_path / "m.gguf"), str(tmp_path / "nothing")).name == "m.gguf"
+    assert name_model(str(folder), str(folder)).name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert name_model("org/model", "org/model").name == "org/model"
+    assert name_model("demo", str(folder), served_name="mine").name == "mine"
+    text = 'vllm:x{engine="0",model_name="/c/gguf-1"} 1\n'
+    assert relabel_model(text, "/c/gguf-1", "org/repo") == 'vllm:x{engine="0",model_name="org/repo"} 1\n'

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -170,3 +171,38 @@ def test_a_gguf_file_in_a_hub_repo_is_downloaded_converted_and_served(tmp_path, 
     finally:
         d.stop()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def test_conversion_and_training_report_their_progress(tmp_path, demo_gguf, monkeypatch):
+    """What `status` shows during a first start: tensors converted, then steps trained with the loss."""
+    from loractld.models import demo
+    from loractld.models.demo_train import TrainSpec
+    from loractld.models.gguf import ensure_converted, inspect
+
+    gguf = _shrunken_gguf(demo_gguf, tmp_path / "small.gguf")
+    reports = []
+    folder = ensure_converted(gguf, tmp_path / "models", report=lambda stage, message, **kw: reports.append(((stage, message), kw)))
+    tensors = inspect(gguf).tensors
+    converting = [kw for (stage, message), kw in reports if stage == "convert" and message.startswith("converting")]
+    assert converting[0] == {"total": tensors, "unit": "tensors"}  # announced before the child starts
+    counted = [kw["done"] for kw in converting[1:]]
+    assert counted == list(range(1, tensors + 1)) and tensors == 20, counted
+
+    monkeypatch.setattr(demo, "ADAPTERS", {"pirate/v1": TrainSpec("pirate", steps=3, batch_size=2)})
+    reports.clear()
+    demo.ensure_adapters(folder, tmp_path / "demo", lambda stage, message, **kw: reports.append(((stage, message), kw)))
+    assert [a for a, _ in reports] == [("train", "training demo adapter pirate/v1 (once)")] * 4
+    steps = [kw for _, kw in reports[1:]]
+    assert [(kw["done"], kw["total"], kw["unit"]) for kw in steps] == [(1, 3, "steps"), (2, 3, "steps"), (3, 3, "steps")]
+    assert all(re.fullmatch(r"loss \d+\.\d{3}", kw["detail"]) for kw in steps), steps
+
+
+def test_the_demo_builder_child_reports_its_stages_to_the_daemon(real_demo):
+    """The build runs in a child; its progress lines reach the daemon's report (here: all built,
+    so the one stage is the check for a converted copy)."""
+    from loractld.models.demo import build_in_child
+
+    reports = []
+    model = build_in_child(REAL_DEMO_CACHE, report=lambda stage, message, **kw: reports.append(((stage, message), kw)))
+    assert model == real_demo["model"]
+    assert ("convert", "checking SmolLM2-135M-Instruct.Q4_1.gguf for a converted copy") in [a for a, _ in reports]

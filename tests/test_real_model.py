@@ -57,6 +57,9 @@ def test_demo_starts_with_only_model_and_status_shows_the_values_in_force(real_d
     human = run_cli("status", "--socket", str(real_daemon.socket)).stdout
     assert "389.3 MB, up to 128 sequences a step" in human, human
     assert "CPU defaults: KV cache 371 MiB: 8192 tokens of context" in real_daemon.log.read_text()
+    # Named as users know it (#26), the cache folder a detail.
+    assert (status["engine"]["model_name"], status["engine"]["model_arg"]) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "demo")
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct (--model demo)" in human
     converted = json.loads((Path(status["engine"]["model"]) / "loractl-gguf.json").read_text())
     assert converted["tensor_types"] == ["F32", "Q4_1", "Q8_0"]
 

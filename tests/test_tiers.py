@@ -391,6 +391,60 @@ def test_ps_lists_requests_running_and_waiting(tiered):
     assert run_cli("ps", "--socket", str(tiered.socket)).stdout.strip() == "no requests in flight"
 
 
+def test_top_shows_a_request_waiting_for_a_slot_and_quits_on_q(tiered):
+    """loractl top on a terminal, as a person watches it: a device pin holds one of the two
+    places and two clients keep asking for two other adapters, so one request always waits for
+    the other place. The screen shows that waiting request with its wait, tokens/s of the one
+    running, the slot changing hands as tier moves, and q quits. In a pipe: plain blocks."""
+    import io
+    import os
+    import re
+
+    import pexpect
+
+    from conftest import BIN
+
+    cli(tiered, "pin", NAMES[0], "--to", "device")
+    env = {**os.environ, "NO_COLOR": "1"}
+    screen = pexpect.spawn(str(BIN / "loractl"), ["top", "--socket", str(tiered.socket)], env=env,
+                           dimensions=(40, 120), timeout=120)
+    seen = screen.logfile_read = io.BytesIO()
+
+    async def go():
+        async with tiered.client() as client:
+            stop = asyncio.Event()
+
+            async def loop(name):
+                while not stop.is_set():
+                    await collect(client, prompt="hi", lora=name, max_tokens=200, min_tokens=200, temperature=0.0)
+
+            loops = [asyncio.create_task(loop(name)) for name in (NAMES[1], NAMES[2])]
+            try:
+                # One adapter's request waits (0 running, 1 waiting, its wait) while the other's runs.
+                await asyncio.to_thread(screen.expect, rf"({re.escape(NAMES[1])}|{re.escape(NAMES[2])}) +0 +1 +\d+\.\d s")
+                await asyncio.to_thread(screen.expect, rf"({re.escape(NAMES[1])}|{re.escape(NAMES[2])}) +1 +0 +- +[1-9]")
+                await asyncio.to_thread(screen.expect, r"\d\d:\d\d:\d\d  \S+ -> device")
+                piped = await asyncio.to_thread(run_cli, "top", "-n", "2", "-d", "0.5", "--socket", str(tiered.socket))
+            finally:
+                stop.set()
+                await asyncio.gather(*loops)
+            return piped
+
+    try:
+        piped = asyncio.run(go())
+        assert seen.getvalue().decode().count("\x1b[H\x1b[2J") >= 2  # redrawn in place
+        assert re.search(rf"device +2/2 slots +[^\r]*{re.escape(NAMES[0])} \[pin device\]", seen.getvalue().decode())
+        screen.send("q")
+        screen.expect(pexpect.EOF)
+        screen.close()
+        assert screen.exitstatus == 0
+    finally:
+        screen.close(force=True)
+        cli(tiered, "unpin", NAMES[0])
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.count("loractl top - loractl/demo-tiny-llama on cpu") == 2 and "\x1b" not in piped.stdout
+
+
 def test_every_tier_change_under_thrash_is_reported_in_order(tiered):
     """Concurrent requests over more adapters than slots, with explicit loads and evictions in
     between: replaying the events stream from the state before must give every transition in

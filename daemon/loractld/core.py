@@ -47,12 +47,15 @@ from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the fr
 from loractld.events import Event, EventBus, Metrics
 from loractld.store.preflight import Preflight
 from loractld import ondemand
+from loractld.models.naming import relabel_model
+from loractld.startup import StartupProgress
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
-                            StatusView)
+                            StartupView, StatusView)
 
 if TYPE_CHECKING:
     from loractld.store.identity import AdapterRef, AdapterResolver
     from loractld.models.basemodel import BaseModel
+    from loractld.models.naming import ModelName
     from loractld.engine.client import Engine
     from loractld.store.pulls import Puller, PullEvent
     from loractld.store.disk import Store, StoredAdapter
@@ -133,6 +136,8 @@ class Core:
         self.events = EventBus()
         self.metrics = Metrics()
         self.startup_error: LoractlError | None = None
+        self.startup = StartupProgress()   # the start-up stage, for status; lifecycle reports to it
+        self.model_name: ModelName | None = None  # the base model as users know it, once resolved
         self.started = time.monotonic()
         self.started_wall = time.time()
         self.draining = False
@@ -237,7 +242,9 @@ class Core:
             config = EngineConfigView(model=s.model, device=engine.device, dtype=engine.dtype, max_loras=s.max_loras,
                                       max_cpu_loras=s.max_cpu_loras, max_lora_rank=s.max_lora_rank,
                                       max_model_len=engine.max_model_len, vllm_version=engine.vllm_version,
-                                      kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs)
+                                      kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs,
+                                      model_name=self.model_label, model_arg=self.model_name.asked
+                                      if self.model_name else "")
         if engine is not None and tiers is not None and catalog is not None:
             self._refuse_if_engine_dead(engine)
             try:
@@ -259,7 +266,8 @@ class Core:
                           ready=self.ready, uptime_s=time.monotonic() - self.started,
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
                           requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url,
-                          admission=self._admission_view())
+                          admission=self._admission_view(),
+                          startup=self.startup.view() if engine is None and self.startup_error is None else StartupView())
 
     def _admission_view(self) -> AdmissionView:
         gate = self.gate
@@ -272,6 +280,13 @@ class Core:
         return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
                              active=len(gate.unpinned_active()), queued=len(gate.queue),
                              max_wait_s=float(getattr(gate.policy, "max_wait_s", 0.0)), requests=requests)
+
+    @property
+    def model_label(self) -> str:
+        """The base model's name in status, the registry and the metrics' ``model_name`` label."""
+        if self.model_name is not None:
+            return self.model_name.name
+        return self.served_model_name or (self.engine.settings.model if self.engine else "")
 
     # -- generation -----------------------------------------------------------------------
     def base_model_names(self) -> set[str]:
@@ -340,9 +355,11 @@ class Core:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
                 ticket = await gate.enter(adapter.engine_id if adapter else None,
                                           name or (adapter.label if adapter else ""))
+                label = (("adapter", ticket.label),)  # for loractl top's tokens/s per adapter
                 async with contextlib.aclosing(prepared.engine.generate(
                         prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
                     async for delta in deltas:
+                        self.metrics.inc("loractl_adapter_generated_tokens_total", label, len(delta.token_ids))
                         yield delta
         finally:
             if ticket is not None:
@@ -483,8 +500,9 @@ class Core:
             return self.metrics.render()
         # What routers score this daemon by, counted at the gate and named as clients name them.
         return self.metrics.render() + scheduler_series(
-            self.gate, self.engine.settings.max_loras, self.engine.prometheus_text(),
-            self.served_model_name or self.engine.settings.model)
+            self.gate, self.engine.settings.max_loras,
+            relabel_model(self.engine.prometheus_text(), self.engine.settings.model, self.model_label),
+            self.model_label)
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod

@@ -82,6 +82,7 @@ class Metrics:
         "loractl_adapter_evictions_total": ("counter", "Adapters that left a tier, by reason."),
         "loractl_adapter_load_failures_total": ("counter", "Adapter loads that failed."),
         "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),
+        "loractl_adapter_generated_tokens_total": ("counter", "Tokens generated per adapter (empty: the base model)."),
         "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
         "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
         "loractl_engine_requests": ("gauge", "Requests the engine holds (waiting or running)."),

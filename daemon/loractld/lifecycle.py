@@ -31,10 +31,12 @@ from loractld.api.http.settings import HttpSettings
 from loractld.api.dynamo import DynamoSettings
 from loractld.api.dynamo.worker import join as join_dynamo
 from loractld.models.basemodel import describe, refresh_shapes
+from loractld.models.naming import name_model
 from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
 from loractld.publisher import Publisher
 from loractld.store.preflight import Preflight
+from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store.disk import Store, remove_partial_writes
@@ -131,25 +133,28 @@ def _claim_socket_path(path: Path) -> None:
     raise SocketInUse(f"another daemon is already listening on {path}")
 
 
-def resolve_model(model: str, home: str | None) -> str:
+def resolve_model(model: str, home: str | None, report: Report | None = None) -> str:
     """The folder or Hub id to give vLLM for ``--model``.
 
     ``demo`` is the embedded default (SmolLM2-135M-Instruct with trained adapters, built on
     first use), ``tiny`` the random two-layer model the fast tests use (built offline in
     seconds), a ``.gguf`` file is converted once into a Hugging Face folder; anything else goes
-    to vLLM as is.
+    to vLLM as is. ``report`` hears the stages and their progress (``loractld.startup``).
     """
+    report = report or (lambda *args, **kwargs: None)
     layout = paths.layout(home)
     if model == "demo":
         from loractld.models.demo import build_in_child
 
         _log.info("preparing the demo model under %s (the first start fetches, converts and trains: minutes)",
                   layout.data_dir)
-        return str(build_in_child(layout.data_dir))
+        report("model", "preparing the demo model")
+        return str(build_in_child(layout.data_dir, report=report))
     if model == "tiny":
         from loractld.models.tiny import ensure_demo
 
         _log.info("building the tiny test model under %s (first start only)", layout.tiny_dir)
+        report("model", "preparing the tiny test model")
         return str(ensure_demo(layout.tiny_dir) / "model")
     if model.lower().endswith(".gguf"):
         from loractld.models.gguf import download_hub_gguf, ensure_converted, hub_gguf
@@ -157,8 +162,10 @@ def resolve_model(model: str, home: str | None) -> str:
         on_hub = hub_gguf(model)
         if on_hub:
             repo, filename = on_hub
-            return str(ensure_converted(download_hub_gguf(repo, filename), layout.models_dir, name_or_path=repo))
-        return str(ensure_converted(Path(model), layout.models_dir))
+            report("fetch", f"downloading {filename} from the Hub repo {repo}")
+            return str(ensure_converted(download_hub_gguf(repo, filename), layout.models_dir, name_or_path=repo,
+                                        report=report))
+        return str(ensure_converted(Path(model), layout.models_dir, report=report))
     return model
 
 
@@ -291,13 +298,19 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     _log.info("registered as instance %s", publisher.handle.instance_id())
 
     async def start_engine() -> Engine:
-        model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home)
+        model = await asyncio.to_thread(resolve_model, settings.engine.model, settings.home, core.startup.update)
+        core.model_name = name_model(settings.engine.model, model, settings.served_model_name)
+        core.startup.update("model", "reading the base model")
         core.set_catalog(await asyncio.to_thread(open_catalog, settings, layout.store_dir, model))
         await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
+        core.startup.update("engine", "starting the engine (vLLM)", unit="s",
+                            expected_s=last_engine_start(layout.state_dir, model))
         started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
         await asyncio.to_thread(enginepid.record, layout.state_dir)
         core.catalog.preflight.attach(started)
         await asyncio.to_thread(refresh_shapes, core.catalog.base_model)  # a Hub model is on disk only now
+        await asyncio.to_thread(record_engine_start, layout.state_dir, model, started.start_seconds)
+        core.startup.update("adapters", "loading the pinned and preloaded adapters")
         return started
 
     engine: Engine | None = None
@@ -328,16 +341,17 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             for failure in await tiers.apply_startup(list(settings.preload)):
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
+            core.startup.finish()
             tiers.start_following()
             dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
-            systemd.notify("READY=1", f"STATUS=ready: {Path(engine.settings.model).name} on {engine.device}, "
+            systemd.notify("READY=1", f"STATUS=ready: {core.model_label} on {engine.device}, "
                                       f"{len(tiers.pinned_names())} pinned")
             watchdog = asyncio.create_task(_watchdog(systemd, core, stop))
-            _log.info("ready: model %s on %s (engine start %.1f s)", engine.settings.model, engine.device,
-                      engine.start_seconds)
+            _log.info("ready: model %s (%s) on %s (engine start %.1f s)", core.model_label, engine.settings.model,
+                      engine.device, engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
         systemd.notify("STOPPING=1", "STATUS=stopping")

@@ -59,7 +59,7 @@ class Publisher:
             if residency.tier == "device":
                 loaded.append(adapter.name)
         settings = engine.settings
-        data.update(model=settings.model, device=engine.device)
+        data.update(model=core.model_label, model_path=settings.model, device=engine.device)
         data["lora"] = {
             "enabled": True, "max_loras": settings.max_loras, "max_cpu_loras": settings.max_cpu_loras,
             "max_lora_rank": settings.max_lora_rank, "available_loras": available, "loaded_loras": loaded,

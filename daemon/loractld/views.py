@@ -58,7 +58,7 @@ class AdapterView:
 
 @dataclass
 class EngineConfigView:
-    model: str = ""
+    model: str = ""             # the folder (or Hub id) vLLM serves
     device: str = ""
     dtype: str = ""
     max_loras: int = 0
@@ -68,6 +68,8 @@ class EngineConfigView:
     vllm_version: str = ""
     kv_cache_bytes: int = 0
     max_num_seqs: int = 0
+    model_name: str = ""        # what users know it by: the Hub id, a GGUF's Hub id or file (models/naming.py)
+    model_arg: str = ""         # --model as given: demo, a .gguf file, a folder, a Hub id
 
 
 @dataclass
@@ -109,6 +111,20 @@ class AdmissionView:
 
 
 @dataclass
+class StartupView:
+    """What a starting daemon is doing (``loractld.startup``); empty once ready."""
+
+    stage: str = ""             # fetch, convert, train, model, engine; "" when not starting
+    message: str = ""           # the stage in words: "training demo adapter pirate/v1"
+    done: float = 0.0           # progress in ``unit``s (for the engine: seconds so far)
+    total: float = 0.0          # 0 where unknown (for the engine: the previous start's seconds)
+    unit: str = ""              # bytes, tensors, steps, s
+    detail: str = ""            # e.g. "loss 1.234"
+    elapsed_s: float = 0.0      # in this stage
+    eta_s: float = 0.0          # estimated seconds left in this stage; 0 where unknown
+
+
+@dataclass
 class StatusView:
     version: str
     pid: int
@@ -122,6 +138,7 @@ class StatusView:
     capacity: CapacityView
     http: str = ""              # the HTTP API's base URL, when it is on
     admission: AdmissionView = field(default_factory=AdmissionView)
+    startup: StartupView = field(default_factory=StartupView)
 
 
 @dataclass

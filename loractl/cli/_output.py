@@ -67,16 +67,17 @@ def with_client(socket: str | None, home: str | None, body: Callable[[Client], A
 
 
 def waiting_notice(what: str = "the engine to start"):
-    """An ``on_wait`` for :meth:`Client.wait_ready`: a line on stderr at once, then every 5 s."""
-    shown = [-5.0]
+    """An ``on_wait`` for :meth:`Client.wait_ready`: what the starting daemon is doing, as a live
+    line on a terminal and a line per stage in a pipe (``loractl.cli._progress``)."""
+    from loractl.cli._progress import StartupNotice
 
-    def notice(elapsed: float) -> None:
-        if elapsed - shown[0] >= 5.0:
-            shown[0] = elapsed
-            sys.stderr.write(f"loractl: waiting for {what} ({elapsed:.0f} s)\n")
-            sys.stderr.flush()
+    return StartupNotice(f"waiting for {what}")
 
-    return notice
+
+def _end_progress_line() -> None:
+    progress = sys.modules.get("loractl.cli._progress")
+    if progress is not None:
+        progress.end_live_lines()
 
 
 @contextlib.contextmanager
@@ -85,10 +86,12 @@ def cli_errors():
     try:
         yield
     except LoractlError as e:
+        _end_progress_line()
         if os.environ.get("LORACTL_DEBUG"):
             raise
         raise fail(e) from None
     except KeyboardInterrupt:
+        _end_progress_line()
         __getattr__("stderr").print("interrupted")
         raise SystemExit(130) from None
 

@@ -91,3 +91,22 @@ def explicit_socket(socket: str | None) -> str | None:
     # dataclasses' import (loractl.paths): the same file for connect(), ".." left to the kernel.
     chosen = os.path.expanduser(chosen)
     return chosen if os.path.isabs(chosen) else os.path.join(os.getcwd(), chosen)
+
+
+def reply(socket: str | None, home: str | None, method: str, request, reply_type) -> dict | None:
+    """``method``'s reply as ``loractl.client.to_dict`` gives it, asked of the named socket or the
+    one daemon the registry lists (``_quick_registry``); None: ask through ``Client`` instead."""
+    path = explicit_socket(socket)
+    if path is None and not os.environ.get("LORACTL_SOCKET"):
+        from loractl.cli._quick_registry import discovered_socket
+
+        path = discovered_socket(home)
+    if path is None:
+        return None
+    answer = unary(path, method, request.SerializeToString())
+    if answer is None:
+        return None
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(reply_type.FromString(answer), preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)

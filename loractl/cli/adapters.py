@@ -10,6 +10,7 @@ import typer
 from loractl.cli._common import (HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, short_revision, stderr,
                                  stdout, with_client)
 from loractl.cli._complete import adapter_names
+from loractl.cli._reads import adapter_report
 from loractl.cli.listing import ago, list_adapters
 if TYPE_CHECKING:
     from loractl.client import Client
@@ -98,36 +99,7 @@ def show(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_out
 
         loractl show sql-expert/v1 --json
     """
-    a = with_client(socket, home, lambda client: client.show(name))
-    if json_output:
-        print_json(a)
-        return
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
-    rows = [
-        ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
-        ("tier", a["tier"] + (f" (slot {a['slot']})" if a["tier"] == "device" else "")
-         + ({"device": ", pinned to the device", "host": ", pinned in host RAM"}.get(
-             a.get("pin") or ("host" if a["pinned"] else ""), ""))),
-        ("requests", f"{a['requests']} (last {ago(a['last_used'])})"),
-        ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
-        ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
-        ("revision", a["revision"]), ("base model", a["base_model"] or "-"),
-        ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
-        ("size", human_bytes(int(a["size_bytes"]))), ("pulled", pulled), ("path", a["path"]),
-    ]
-    if a.get("normalized"):
-        rows.append(("normalised", "; ".join(a["normalized"])))
-    for f in a["files"]:
-        rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
-    for key, value in rows:
-        table.add_row(key, value)
-    stdout.print(table)
-
+    adapter_report(name, socket, home, json_output)
 
 def rm(
     name: NameArg,

@@ -7,7 +7,7 @@ import os
 import typer
 
 from loractl import __version__
-from loractl.cli import adapters, chat, daemon_cmd, instances, run, status, tiers
+from loractl.cli import adapters, chat, daemon_cmd, instances, run, status, tiers, top
 
 app = typer.Typer(
     name="loractl",
@@ -19,7 +19,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (adapters, tiers, run, chat, status, instances, daemon_cmd):
+for module in (adapters, tiers, run, chat, status, top, instances, daemon_cmd):
     module.register(app)
 
 

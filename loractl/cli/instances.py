@@ -38,7 +38,7 @@ def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
         meta = i["metadata"]
         loaded = meta.get("lora", {}).get("loaded_loras", [])
         since = datetime.datetime.fromtimestamp(i["started"]).strftime("%H:%M:%S") if i["started"] else "-"
-        table.add_row(i["instance_id"], i["status"], str(meta.get("model", "-")).rsplit("/", 1)[-1],
+        table.add_row(i["instance_id"], i["status"], str(meta.get("model", "-")),
                       ", ".join(loaded) or "-", since)
     stdout.print(table)
 

@@ -16,7 +16,7 @@ _PLAIN_CELL = re.compile(r"[A-Za-z0-9 ._/*+-]*\Z")
 
 
 def list_adapters(socket: str | None, home: str | None, json_output: bool) -> None:
-    adapters = _quick_list(socket)
+    adapters = _quick_list(socket, home)
     if adapters is None:
         adapters = with_client(socket, home, lambda client: client.list())
     if json_output:
@@ -50,24 +50,15 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
     stdout.print(table)
 
 
-def _quick_list(socket: str | None) -> list[dict[str, Any]] | None:
-    """The adapters, asked without asyncio or grpclib when the socket is named; None when
-    that cannot be done (see ``loractl.cli._quick``)."""
-    from loractl.cli._quick import explicit_socket, unary
-
-    path = explicit_socket(socket)
-    if path is None:
-        return None
+def _quick_list(socket: str | None, home: str | None) -> list[dict[str, Any]] | None:
+    """The adapters, asked without asyncio or grpclib (``loractl.cli._quick``); None when that
+    cannot be done."""
+    from loractl.cli._quick import reply
     from loractl.v1 import loractl_pb2 as pb
 
-    reply = unary(path, "/loractl.v1.Loractl/List", pb.ListRequest().SerializeToString())
-    if reply is None:
-        return None
-    from google.protobuf.json_format import MessageToDict
-
     # As loractl.client.to_dict (tests/test_cli_fast.py compares the two paths' output).
-    return [MessageToDict(a, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            for a in pb.ListReply.FromString(reply).adapters]
+    answer = reply(socket, home, "/loractl.v1.Loractl/List", pb.ListRequest(), pb.ListReply)
+    return None if answer is None else answer["adapters"]
 
 
 def _plain_width() -> int | None:

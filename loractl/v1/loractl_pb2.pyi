@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs")
+    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs", "model_name", "model_arg")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class EngineConfig(_message.Message):
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARG_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -32,10 +34,12 @@ class EngineConfig(_message.Message):
     vllm_version: str
     kv_cache_bytes: int
     max_num_seqs: int
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    model_name: str
+    model_arg: str
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., model_name: _Optional[str] = ..., model_arg: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission")
+    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission", "startup")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +52,7 @@ class StatusReply(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HTTP_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     socket: str
@@ -60,7 +65,28 @@ class StatusReply(_message.Message):
     capacity: Capacity
     http: str
     admission: Admission
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ...) -> None: ...
+    startup: Startup
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., startup: _Optional[_Union[Startup, _Mapping]] = ...) -> None: ...
+
+class Startup(_message.Message):
+    __slots__ = ("stage", "message", "done", "total", "unit", "detail", "elapsed_s", "eta_s")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    message: str
+    done: float
+    total: float
+    unit: str
+    detail: str
+    elapsed_s: float
+    eta_s: float
+    def __init__(self, stage: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[float] = ..., total: _Optional[float] = ..., unit: _Optional[str] = ..., detail: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...
 
 class Admission(_message.Message):
     __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests")

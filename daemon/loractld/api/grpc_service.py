@@ -158,6 +158,7 @@ class LoractlService(LoractlBase):
         admission = fields["admission"]
         admission["requests"] = [pb.RequestInfo(**r) for r in admission["requests"]]
         fields["admission"] = pb.Admission(**admission)
+        fields["startup"] = pb.Startup(**fields["startup"])
         await stream.send_message(pb.StatusReply(**fields))
 
     @domain_errors

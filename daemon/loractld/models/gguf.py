@@ -65,6 +65,7 @@ class GgufInfo:
     add_bos: bool | None
     bos_id: int | None
     eos_id: int | None
+    tensors: int = 0
 
     @property
     def dtype(self) -> str:
@@ -109,6 +110,7 @@ def inspect(path: Path) -> GgufInfo:
         add_bos=_field(reader, "tokenizer.ggml.add_bos_token"),
         bos_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        tensors=len(reader.tensors),
     )
 
 
@@ -168,12 +170,15 @@ def download_hub_gguf(repo: str, filename: str) -> Path:
                            "Check the network, HF_ENDPOINT and HF_TOKEN.") from e
 
 
-def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None = None) -> Path:
-    """The Hugging Face folder for GGUF file ``path``, converting it on first use."""
+def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None = None, report=None) -> Path:
+    """The Hugging Face folder for GGUF file ``path``, converting it on first use; ``report``
+    (``loractld.startup``'s update) hears the stage and the tensors converted so far."""
+    report = report or (lambda *args, **kwargs: None)
     path = path.expanduser().absolute()
     if not path.is_file():
         raise ModelRefused(f"GGUF file {path} does not exist", "Check the path given to --model.")
     started = time.monotonic()
+    report("convert", f"checking {path.name} for a converted copy")
     _log.info("hashing %s (%.0f MB) to find its converted copy", path.name, path.stat().st_size / 1e6)
     digest = sha256_of(path)
     target = models_dir / f"gguf-{digest[:24]}"
@@ -199,12 +204,14 @@ def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None =
     cmd = [sys.executable, "-m", "loractld.models.gguf", str(path), str(tmp), "--dtype", info.dtype]
     if name_or_path:
         cmd += ["--name-or-path", name_or_path]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
+    message = f"converting {path.name} to a Hugging Face folder (once)"
+    report("convert", message, total=info.tensors, unit="tensors")
+    returncode, output = _run_converter(cmd, lambda done, total: report("convert", message, done=done, total=total,
+                                                                        unit="tensors"))
+    if returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        if "No space left" in done.stderr:
+        last = (output.strip().splitlines() or ["(no output)"])[-1]
+        if "No space left" in output:
             raise DiskFull(f"the disk filled up while converting {path.name}",
                            "Free space, or put loractl's data elsewhere with LORACTL_HOME.")
         raise ModelRefused(f"converting {path.name} failed: {last}",
@@ -227,6 +234,42 @@ def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None =
             raise
     _log.info("converted %s into %s in %.0f s", path.name, target, time.monotonic() - started)
     return target
+
+
+def _run_converter(cmd: list[str], on_tensors) -> tuple[int, str]:
+    """Run the converter child; its ``tensors: N/M`` lines go to ``on_tensors``, the rest is
+    returned (stdout and stderr in one pipe: two pipes could fill one while we read the other)."""
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    kept: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        counted = _TENSORS_LINE.match(line)
+        if counted:
+            on_tensors(int(counted["done"]), int(counted["total"]))
+        else:
+            kept.append(line)
+    return proc.wait(), "".join(kept)
+
+
+_TENSORS_LINE = re.compile(r"^tensors: (?P<done>\d+)/(?P<total>\d+)$")
+
+
+def _count_tensors() -> None:
+    """Print ``tensors: N/M`` as transformers dequantizes each GGUF tensor: its loop iterates
+    ``tqdm(reader.tensors)``, replaced here (a transformers without that hook just reports none)."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    if not hasattr(loader, "tqdm"):
+        return
+
+    def counting(iterable, *args, **kwargs):
+        items = list(iterable)
+        for done, item in enumerate(items, 1):
+            yield item
+            print(f"tensors: {done}/{len(items)}", flush=True)
+
+    loader.tqdm = counting
 
 
 def _complete(folder: Path) -> bool:
@@ -254,6 +297,7 @@ def _convert(src: Path, out: Path, dtype: str, name_or_path: str | None) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     info = inspect(src)
+    _count_tensors()
     kwargs = {"gguf_file": src.name}
     tokenizer = AutoTokenizer.from_pretrained(src.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(src.parent, dtype=getattr(torch, dtype), **kwargs)

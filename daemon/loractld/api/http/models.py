@@ -50,7 +50,8 @@ def _base_card(core: Core) -> dict:
     root = core.catalog.base_model.model if core.catalog is not None else core.served_model_name
     return {"id": core.served_model_name, "object": "model", "created": int(core.started_wall), "owned_by": "loractl",
             "root": root, "parent": None, "max_model_len": _max_model_len(core), "permission": [],
-            "loractl": {"kind": "base"}}
+            "loractl": {"kind": "base", "model_name": core.model_label,
+                        "model_arg": core.model_name.asked if core.model_name else ""}}
 
 
 def _adapter_card(core: Core, adapter: AdapterView) -> dict:

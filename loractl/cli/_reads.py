@@ -1,0 +1,179 @@
+"""The read commands' bodies (``status``, ``ps``, ``show``), free of Typer so that
+``loractl.cli.main`` can run them directly, as it runs ``ls`` (``loractl.cli.listing``).
+
+Each asks its daemon the quick way first (``loractl.cli._quick``: one blocking gRPC call, no
+asyncio, no grpclib; the registry read without ``loractl.registry``) and through ``Client``
+otherwise; either way it renders the same dict the same way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import sys
+from typing import Any
+
+from loractl.cli._output import human_bytes, print_json, with_client
+from loractl.cli.listing import ago
+
+
+def _status(socket: str | None, home: str | None) -> dict[str, Any]:
+    from loractl.cli._quick import reply
+    from loractl.v1 import loractl_pb2 as pb
+
+    info = reply(socket, home, "/loractl.v1.Loractl/Status", pb.StatusRequest(), pb.StatusReply)
+    return info if info is not None else with_client(socket, home, lambda client: client.status())
+
+
+def status_report(socket: str | None, home: str | None, json_output: bool, info: dict[str, Any] | None = None) -> None:
+    """``loractl status``: ``info`` when the caller has it (``--wait``), else asked now."""
+    info = info if info is not None else _status(socket, home)
+    if json_output:
+        print_json(info)
+        return
+    engine = info["engine"]
+    table = Pairs()
+    table.add_row("state", "ready" if info["ready"] else "starting")
+    name, asked = engine.get("model_name") or engine["model"], engine.get("model_arg") or ""
+    table.add_row("model", (name or "-") + (f" (--model {asked})" if asked and asked != name else ""))
+    if engine["model"] and engine["model"] != name:
+        table.add_row("model folder", engine["model"])
+    table.add_row("device", f"{engine['device'] or '-'} ({engine['dtype'] or '-'})")
+    cap = info["capacity"]
+    table.add_row("device slots", f"{cap['device_used']} used, {cap['device_slots'] - cap['device_used']} free "
+                                  f"(device pins {cap.get('device_pins', 0)}/{cap.get('max_device_pins', 0)})")
+    table.add_row("host slots", f"{cap['host_used']} used, {cap['host_slots'] - cap['host_used']} free "
+                                f"(host pins {cap['pins']}/{cap['max_pins']})")
+    table.add_row("disk", f"{cap['disk_adapters']} adapters, {human_bytes(int(cap['disk_bytes']))}")
+    table.add_row("max rank", str(cap["max_lora_rank"] or engine["max_lora_rank"]))
+    table.add_row("context", f"{engine['max_model_len']} tokens")
+    kv = int(engine.get("kv_cache_bytes") or 0)
+    table.add_row("kv cache", (human_bytes(kv) if kv else "sized by vLLM")
+                  + f", up to {engine.get('max_num_seqs') or '-'} sequences a step")
+    table.add_row("in flight", str(info["requests_in_flight"]))
+    gate = info.get("admission") or {}
+    if gate.get("policy"):
+        bound = f", hand-over after {gate['max_wait_s']:g} s" if gate["policy"] == "batching" else ""
+        table.add_row("admission", f"{gate['policy']}{bound}")
+        table.add_row("slots", f"{gate['active']} adapter(s) running, {gate['queued']} request(s) waiting "
+                               "(loractl ps)")
+    table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")
+    table.add_row("daemon", f"loractld {info['version']}, vllm {engine['vllm_version'] or '-'}, pid {info['pid']}")
+    table.add_row("socket", info["socket"])
+    if info.get("http"):
+        table.add_row("http", f"{info['http']}/v1 (OpenAI-compatible)")
+    table.print(colours={"ready": "green", "starting": "yellow"})
+
+
+
+def requests_report(socket: str | None, home: str | None, json_output: bool) -> None:
+    """``loractl ps``."""
+    info = _status(socket, home)
+    requests = sorted((info.get("admission") or {}).get("requests", []),
+                      key=lambda r: (r["state"] != "queued", r.get("position", 0), -r.get("age_s", 0.0)))
+    if json_output:
+        print_json(requests)
+        return
+    if not requests:
+        sys.stdout.write("no requests in flight\n")  # what rich prints, without its import
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for header in ("ID", "ADAPTER", "STATE", "POS", "WAITED", "AGE"):
+        table.add_column(header, no_wrap=True)
+    for r in requests:
+        table.add_row(r["id"], r["adapter"] or "(base model)", r["state"], str(r.get("position") or "-"),
+                      f"{r.get('waited_s', 0.0):.2f}s", f"{r.get('age_s', 0.0):.1f}s")
+    _print(table)
+
+
+
+def adapter_report(name: str, socket: str | None, home: str | None, json_output: bool) -> None:
+    """``loractl show NAME``."""
+    from loractl.cli._quick import reply
+    from loractl.v1 import loractl_pb2 as pb
+
+    a = reply(socket, home, "/loractl.v1.Loractl/Show", pb.ShowRequest(name=name), pb.Adapter)
+    if a is None:
+        a = with_client(socket, home, lambda client: client.show(name))
+    if json_output:
+        print_json(a)
+        return
+    table = Pairs(fold=True)
+    pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
+    rows = [
+        ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
+        ("tier", a["tier"] + (f" (slot {a['slot']})" if a["tier"] == "device" else "")
+         + ({"device": ", pinned to the device", "host": ", pinned in host RAM"}.get(
+             a.get("pin") or ("host" if a["pinned"] else ""), ""))),
+        ("requests", f"{a['requests']} (last {ago(a['last_used'])})"),
+        ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
+        ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
+        ("revision", a["revision"]), ("base model", a["base_model"] or "-"),
+        ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
+        ("size", human_bytes(int(a["size_bytes"]))), ("pulled", pulled), ("path", a["path"]),
+    ]
+    if a.get("normalized"):
+        rows.append(("normalised", "; ".join(a["normalized"])))
+    for f in a["files"]:
+        rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
+    for key, value in rows:
+        table.add_row(key, value)
+    table.print()
+
+
+
+def _print(renderable) -> None:
+    from loractl.cli._output import stdout  # rich's console, made at first use
+
+    stdout.print(renderable)
+
+
+# Text rich prints as it is in a two-column table: printable ASCII and …, no markup ([ or \), no
+# emoji code (:name:).
+_PLAIN_PAIR = re.compile(r"[ -Z\]-~…]*\Z")
+_EMOJI_CODE = re.compile(r":[\w+-]+:")
+
+
+class Pairs:
+    """A key/value table (``status``, ``show``), printed as rich prints ``Table(show_header=False,
+    box=None, pad_edge=False)`` with the keys bold; into a pipe without rich's import when rich
+    would only pad (``plain_pairs``)."""
+
+    def __init__(self, fold: bool = False) -> None:
+        self.rows: list[tuple[str, str]] = []
+        self.fold = fold
+
+    def add_row(self, key: str, value: str) -> None:
+        self.rows.append((key, value))
+
+    def print(self, colours: dict[str, str] | None = None) -> None:
+        from loractl.cli.listing import _plain_width
+
+        width = _plain_width()
+        text = plain_pairs(self.rows, width) if width else None
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        from rich.table import Table
+
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold" if self.fold else "ellipsis")
+        for key, value in self.rows:
+            colour = (colours or {}).get(value) if key == "state" else None
+            table.add_row(key, f"[{colour}]{value}[/]" if colour else value)
+        _print(table)
+
+
+def plain_pairs(rows: list[tuple[str, str]], width: int) -> str | None:
+    """``rows`` as rich prints them (see ``Pairs``) without colour, or None when rich would do
+    more than pad (wrap, interpret markup or emoji codes)."""
+    if not rows or not all(_PLAIN_PAIR.match(cell) and not _EMOJI_CODE.search(cell) for row in rows for cell in row):
+        return None
+    keys, values = max(len(k) for k, _ in rows), max(len(v) for _, v in rows)
+    if keys + 2 + values > width:
+        return None
+    return "".join(f"{k.ljust(keys)}  {v.ljust(values)}\n" for k, v in rows)

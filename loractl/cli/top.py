@@ -1,0 +1,200 @@
+"""``loractl top``: a live view of the daemon, refreshed about once a second.
+
+Each refresh asks Status, List and Metrics at once (their reads of the engine's tiers are
+shared: one read serves the three), and the Events stream runs beside them, so tier moves
+show as they happen. Nothing here touches the request path: the daemon answers these calls
+from what it already keeps (tokens per adapter are a counter the generations bump).
+
+On a terminal the screen is redrawn in place and ``q`` quits (Ctrl-C too); in a pipe each
+refresh is a plain-text block, and ``--iterations`` stops after that many.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import re
+import sys
+import time
+from typing import Annotated, Any
+
+import typer
+
+from loractl.cli._common import HomeOpt, SocketOpt
+from loractl.cli._output import cli_errors
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+TOKENS = "loractl_adapter_generated_tokens_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+MOVES = {"LOADED_TO_DEVICE": "-> device", "UNLOADED_FROM_DEVICE": "device ->", "LOADED_TO_HOST": "-> host",
+         "EVICTED_FROM_HOST": "host ->", "PINNED": "pinned", "UNPINNED": "unpinned", "FAILED": "failed",
+         "DOWNLOADED_TO_DISK": "-> disk", "DELETED_FROM_DISK": "deleted"}
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], float | None]:
+    """(tokens generated so far per adapter label, the KV cache's use 0..1 or None)."""
+    tokens: dict[str, float] = {}
+    kv = None
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, value = match["name"], match["value"]
+        if name == TOKENS:
+            labels = dict(_LABEL.findall(match["labels"] or ""))
+            tokens[labels.get("adapter", "")] = float(value)
+        elif name == KV_USAGE:
+            kv = max(kv or 0.0, float(value))
+    return tokens, kv
+
+
+def render(status: dict[str, Any], adapters: list[dict[str, Any]], rates: dict[str, float], kv: float | None,
+           moves: collections.deque, now: float) -> list[str]:
+    """The view as lines of plain text."""
+    engine, cap, gate = status["engine"], status["capacity"], status.get("admission") or {}
+    requests = gate.get("requests") or []
+    running = [r for r in requests if r["state"] == "running"]
+    waiting = [r for r in requests if r["state"] == "queued"]
+    lines = [f"loractl top - {engine.get('model_name') or engine['model']} on {engine['device'] or '-'} - "
+             f"{time.strftime('%H:%M:%S', time.localtime(now))}",
+             f"requests: {len(running)} running, {len(waiting)} waiting for a device slot"
+             f" (admission {gate.get('policy') or '-'}); KV cache "
+             + (f"{kv * 100:.1f}% used" if kv is not None else "use unknown"), ""]
+    tiers = {"device": [], "host": [], "disk": []}
+    for a in adapters:
+        pin = a.get("pin") or ("host" if a.get("pinned") else "")
+        tiers.setdefault(a["tier"], []).append(a["name"] + (f" [pin {pin}]" if pin else ""))
+    lines.append(f"device  {cap['device_used']}/{cap['device_slots']} slots  " + (", ".join(tiers["device"]) or "-"))
+    lines.append(f"host    {cap['host_used']}/{cap['host_slots']} slots  " + (", ".join(tiers["host"]) or "-"))
+    lines.append(f"disk    {len(adapters)} adapters  " + (", ".join(tiers["disk"]) or "-"))
+    lines.append("")
+    per = collections.defaultdict(lambda: {"running": 0, "waiting": 0, "longest": 0.0})
+    for r in requests:
+        row = per[r["adapter"]]
+        if r["state"] == "running":
+            row["running"] += 1
+        else:
+            row["waiting"] += 1
+            row["longest"] = max(row["longest"], float(r.get("waited_s") or 0.0))
+    shown = sorted(set(per) | {label for label, rate in rates.items() if rate > 0})
+    lines.append(f"{'ADAPTER':<28} {'RUNNING':>7} {'WAITING':>7} {'LONGEST WAIT':>12} {'TOKENS/S':>9}")
+    for label in shown:
+        row = per[label]
+        wait = f"{row['longest']:.1f} s" if row["waiting"] else "-"
+        lines.append(f"{(label or '(base model)'):<28} {row['running']:>7} {row['waiting']:>7} {wait:>12} "
+                     f"{rates.get(label, 0.0):>9.1f}")
+    if not shown:
+        lines.append("(no requests)")
+    lines += ["", "TIER MOVES"]
+    lines += [f"{time.strftime('%H:%M:%S', time.localtime(m['time']))}  {m['adapter']} {MOVES[m['kind']]}"
+              + (f" ({m['reason']})" if m.get("reason") else "") for m in moves] or ["-"]
+    return lines
+
+
+class _Keys:
+    """``q`` from a terminal in cbreak mode (restored on exit); nothing when stdin is not one."""
+
+    def __init__(self) -> None:
+        self.quit = asyncio.Event()
+        self._saved = None
+
+    def __enter__(self) -> _Keys:
+        if sys.stdin.isatty():
+            import termios
+            import tty
+
+            self._saved = termios.tcgetattr(sys.stdin)
+            tty.setcbreak(sys.stdin)
+            asyncio.get_running_loop().add_reader(sys.stdin, self._read)
+        return self
+
+    def _read(self) -> None:
+        if os.read(sys.stdin.fileno(), 64).lower().count(b"q"):
+            self.quit.set()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            import termios
+
+            asyncio.get_running_loop().remove_reader(sys.stdin)
+            termios.tcsetattr(sys.stdin, termios.TCSADRAIN, self._saved)
+
+
+async def _follow(client, moves: collections.deque) -> None:
+    async for event in client.events():
+        if event.get("kind") in MOVES:
+            moves.append(event)
+
+
+async def _watch(socket: str | None, home: str | None, interval: float, iterations: int) -> None:
+    from loractl.client import Client
+
+    live = sys.stdout.isatty()
+    moves: collections.deque = collections.deque(maxlen=8)
+    async with Client(socket, home=home) as client, Client(socket, home=home) as events:
+        await client.status()  # no daemon: the usual one-line error, before the screen is taken
+        follower = asyncio.create_task(_follow(events, moves))
+        previous: tuple[float, dict[str, float]] | None = None
+        shown = 0
+        with _Keys() as keys:
+            if live:
+                sys.stdout.write("\x1b[?25l")  # hide the cursor while redrawing
+            try:
+                while not keys.quit.is_set() and (not iterations or shown < iterations):
+                    began = time.monotonic()
+                    status, adapters, text = await asyncio.gather(client.status(), client.list(), client.metrics())
+                    tokens, kv = parse_metrics(text)
+                    rates = {}
+                    if previous is not None:
+                        elapsed = max(began - previous[0], 1e-6)
+                        rates = {k: max(v - previous[1].get(k, 0.0), 0.0) / elapsed for k, v in tokens.items()}
+                    previous = (began, tokens)
+                    lines = render(status, adapters, rates, kv, moves, time.time())
+                    if live:
+                        sys.stdout.write("\x1b[H\x1b[2J" + "\n".join(lines) + "\n\n(q quits)")
+                    else:
+                        sys.stdout.write("\n".join(lines) + "\n\n")
+                    sys.stdout.flush()
+                    shown += 1
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(keys.quit.wait(), max(interval - (time.monotonic() - began), 0.05))
+            finally:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
+                if live:
+                    sys.stdout.write("\x1b[?25h\n")
+                    sys.stdout.flush()
+
+
+def top(
+    socket: SocketOpt = None,
+    home: HomeOpt = None,
+    interval: Annotated[float, typer.Option("--interval", "-d", min=0.2,
+                                            help="Seconds between refreshes.")] = 1.0,
+    iterations: Annotated[int, typer.Option("--iterations", "-n", min=0,
+                                            help="Stop after this many refreshes (0: until q or Ctrl-C).")] = 0,
+) -> None:
+    """Watch the daemon live: tiers, requests per adapter, tokens/s, tier moves, KV cache.
+
+    Refreshed about once a second: each tier with its adapters and pins, requests running and
+    waiting for a device slot per adapter (with the longest wait), tokens generated per second
+    per adapter, tier moves as they happen, and the share of the engine's KV cache in use.
+    On a terminal press q to quit; in a pipe each refresh prints as plain text.
+
+    Examples:
+
+        loractl top
+
+        loractl top --iterations 1 | grep WAITING      # one snapshot, in a script
+
+        loractl top -d 5 -n 12 > top.log               # a minute, every 5 s
+    """
+    with cli_errors():
+        asyncio.run(_watch(socket, home, interval, iterations))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("top")(top)
