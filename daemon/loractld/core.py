@@ -46,7 +46,7 @@ from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
 from loractld.store.preflight import Preflight
-from loractld import ondemand
+from loractld.store import ondemand
 from loractld.models.naming import relabel_model
 from loractld.startup import StartupProgress
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RemovedView, RequestView,
@@ -89,7 +89,7 @@ class GenerationRequest:
     # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
     sampling: Sampling = field(default_factory=Sampling)
     allow_folders: bool = True      # False for network clients: they may name stored adapters only
-    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.ondemand)
+    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.store.ondemand)
 
 
 @dataclass
@@ -125,7 +125,7 @@ class Core:
         self.socket_path = socket_path
         self.home = home
         self.served_model_name = served_model_name
-        self.auto_pull = False      # --auto-pull: see loractld.ondemand
+        self.auto_pull = False      # --auto-pull: see loractld.store.ondemand
         self.http_url = ""          # set by the HTTP front end once it listens
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()

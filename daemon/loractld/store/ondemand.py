@@ -26,7 +26,7 @@ from loractl.names import default_name
 if TYPE_CHECKING:
     from loractld.core import Core, GenerationRequest
 
-_log = logging.getLogger("loractld.ondemand")
+_log = logging.getLogger("loractld.store.ondemand")
 _HUB_REF = re.compile(r"^(hf://)?[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?(/[\w./-]+)?$")
 
 
