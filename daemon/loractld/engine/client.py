@@ -310,10 +310,15 @@ class Engine:
         lora_request = self._lora_request(adapter) if adapter else None
         request_id = uuid.uuid4().hex
         first = True
+        engine_ids: list[str] = []
         try:
             async for out in self._llm.generate(
                 {"prompt_token_ids": prompt_token_ids}, params, request_id, lora_request=lora_request
             ):
+                if first:
+                    engine_ids = self._engine_request_ids(request_id)
+                if out.finished and isinstance(out.outputs[0].stop_reason, str) and engine_ids:
+                    await self._abort_in_engine(engine_ids)
                 if adapter is not None:
                     # The step that loaded the adapter ran before this output: a failed load
                     # is journaled by now, and its stand-in's tokens never reach the client.
@@ -337,6 +342,27 @@ class Engine:
                 raise InvalidRequest(f"the engine refused the request: {_first_line(e)}",
                                      "Check the prompt's tokens and the sampling parameters.") from e
             raise
+
+    def _engine_request_ids(self, request_id: str) -> list[str]:
+        """The engine core's own ids for ``request_id`` (vLLM 0.32 gives each request an internal
+        id); [] where this vLLM keeps no such map (then the external id is the engine's)."""
+        mapping = getattr(getattr(self._llm, "output_processor", None), "external_req_ids", None)
+        if mapping is None:
+            return [request_id]
+        return list(mapping.get(request_id, ()))
+
+    async def _abort_in_engine(self, engine_ids: list[str]) -> None:
+        """A stop string ends a request in the front end, before the engine core knows: vLLM's
+        output handler sends the core its abort only after it has handed the final output over
+        and, past 128 outputs in a step, after yielding to the loop. Until then the core may
+        schedule the request (and its adapter) again, while the admission gate, told the request
+        ended, has given its place to another adapter: one step could then need a slot more than
+        the device pins leave. Sending the abort here, before the final output goes on, orders it
+        before any request the freed place admits (a second abort of an id is ignored)."""
+        try:
+            await self._llm.engine_core.abort_requests_async(engine_ids)
+        except Exception:  # noqa: BLE001 - the handler's own abort follows; a dead engine reports itself
+            _log.debug("abort of stopped request %s failed", engine_ids, exc_info=True)
 
     # -- the LoRA tiers (see loractld.worker.extension for the worker side) ------------------
     async def lora_state(self, since: int = -1) -> dict:
