@@ -46,8 +46,9 @@ def test_pull_a_folder_then_generate_with_its_name(daemon, demo, reference):
     assert again.returncode == 0 and again.stdout.startswith("up to date: python-expert/v1")
 
 
-def test_show_reports_the_manifest(daemon, demo):
-    src = demo / "adapters" / "sql-expert" / "v1"
+def test_show_reports_the_manifest(daemon, demo, tmp_path):
+    # Content of its own: the tier is the content's, and another module may have served the demo's.
+    src = good(demo, tmp_path / "show-me", name="show-me", rank=8)
     assert cli(daemon, "pull", str(src), "--name", "show-me/v1").returncode == 0
     info = json.loads(cli(daemon, "show", "show-me/v1", "--json").stdout)
     assert info["source"] == "local" and info["ref"] == str(src)
