@@ -40,7 +40,7 @@ def test_the_layout_has_its_subpackages():
     assert {p.parts[0] for p, _ in MODULES if len(p.parts) > 1} >= {"api", "engine", "worker", "store", "serving",
                                                                       "models"}
     # The daemon package's own top level stays small: the core and its process-wide pieces.
-    assert len([p for p, _ in MODULES if len(p.parts) == 1]) <= 14
+    assert len([p for p, _ in MODULES if len(p.parts) == 1]) <= 15
 
 
 @pytest.mark.parametrize("path,tree", MODULES, ids=[str(p) for p, _ in MODULES])

@@ -1,0 +1,77 @@
+"""A generation request on its way through the daemon: as a door hands it to the core
+(:class:`GenerationRequest`), checked and tokenized (:class:`Prepared`), and the errors and
+checks of that step. Plain data and pure functions; the doors reach them through ``core``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loractl.errors import AdapterNotFound, InvalidRequest
+from loractld.engine.client import Sampling
+
+if TYPE_CHECKING:
+    from loractld.engine.client import Engine
+    from loractld.store.identity import AdapterRef
+    from loractld.store.leases import Lease
+
+
+@dataclass
+class GenerationRequest:
+    """One completion. Exactly one of ``prompt`` (tokenized as is), ``prompt_token_ids`` or
+    ``messages`` (rendered with the model's chat template)."""
+
+    prompt: str = ""
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    lora: str = ""                  # a store name, or an absolute adapter folder; "" is the base model
+    # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
+    sampling: Sampling = field(default_factory=Sampling)
+    allow_folders: bool = True      # False for network clients: they may name stored adapters only
+    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.store.ondemand)
+
+
+@dataclass
+class Prepared:
+    """A checked, tokenized request, ready for :meth:`Core.run`."""
+
+    engine: Engine
+    adapter: AdapterRef | None
+    name: str | None                # the store name, when the adapter came from the store
+    prompt_ids: list[int]
+    sampling: Sampling
+    # Holds the adapter's folder from resolve to the request's end (copies share it; it goes
+    # when the last copy does, so a request prepared and never run cannot keep it for good).
+    lease: Lease | None = None
+
+
+class UnknownModel(AdapterNotFound):
+    """A name that is neither the base model nor a stored adapter; ``close_matches`` may help."""
+
+    def __init__(self, name: str, close_matches: list[str]) -> None:
+        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? " if close_matches else "") + \
+            f"Pull it first: loractl pull REF --name {name} (loractl ls lists the store)."
+        super().__init__(f"no adapter named {name!r} in the store", hint)
+        self.name = name
+        self.close_matches = close_matches
+
+
+def fitted(sampling: Sampling, prompt_tokens: int, engine: Engine) -> Sampling:
+    """``sampling`` checked, with max_tokens None filled with what the context leaves."""
+    if sampling.max_tokens is None:
+        room = engine.max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) fills the context of "
+                                 f"{engine.max_model_len} tokens", "Shorten the prompt.")
+        limit = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
+        sampling = dataclasses.replace(sampling, max_tokens=limit)
+    if sampling.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+    if sampling.min_tokens < 0 or sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {sampling.min_tokens}")
+    if sampling.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+    return sampling
