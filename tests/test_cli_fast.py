@@ -101,6 +101,8 @@ ADAPTERS = {
     "long-name": [adapter("org/" + "n" * 60)],
     "hand-placed-odd-name": [adapter("Odd [name]:x:", hand_placed=True)],
     "empty": [],
+    # ~200 KB: past HTTP/2's initial 64 KiB window, which the quick client opens at once
+    "many": [adapter(f"bulk/adapter-{i:04d}", tier="disk") for i in range(1000)],
 }
 
 
@@ -155,6 +157,23 @@ def stub_daemon():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize("case", ["four", "many", "empty", "error"])
+def test_quick_unary_call_returns_the_servers_message_or_none(stub_daemon, case):
+    """loractl.cli._quick frames HTTP/2 itself: the reply's bytes exactly (any size), None for a
+    gRPC error (the full client then reports it), None for no daemon at all."""
+    from loractl.cli import _quick
+    from loractl.v1 import loractl_pb2 as pb
+
+    socket, case_file = stub_daemon
+    case_file.write_text(case)
+    answer = _quick.unary(str(socket), "/loractl.v1.Loractl/List", pb.ListRequest().SerializeToString())
+    if case == "error":
+        assert answer is None
+    else:
+        assert pb.ListReply.FromString(answer) == pb.ListReply(adapters=[pb.Adapter(**a) for a in ADAPTERS[case]])
+    assert _quick.unary(str(socket) + ".absent", "/loractl.v1.Loractl/List", b"") is None
+
+
 @pytest.mark.parametrize("json_flag", [[], ["--json"]], ids=["table", "json"])
 @pytest.mark.parametrize("case", [*ADAPTERS, "error"])
 def test_fast_ls_prints_what_the_client_and_rich_print(stub_daemon, case, json_flag):
@@ -191,7 +210,7 @@ def test_plain_table_is_rich_table_or_none(width):
     from loractl.cli.listing import COLUMNS, plain_table
 
     rng = random.Random(width)
-    checked = 0
+    checked = folded = 0
     for _ in range(60):
         rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host", "device"]),
                  rng.choice(["-", "host", "device"]), f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
@@ -280,16 +299,18 @@ def test_plain_pairs_is_rich_key_value_table_or_none(width):
     from loractl.cli._reads import plain_pairs
 
     rng = random.Random(width)
-    checked = 0
+    checked = folded = 0
     for _ in range(80):
         rows = [(rng.choice(["state", "model folder", "kv cache"]),
                  rng.choice(["ready", "3 used, 1 free (host pins 0/2)", "/tmp/x/models/gguf-b179c9523d0e6a0f98a330c7",
-                             "http://127.0.0.1:8000/v1 (OpenAI-compatible)", "a [b] c", ":smile: x", "sha256:3dfd1c9b…", "x" * rng.randint(1, 90)]))
+                             "http://127.0.0.1:8000/v1 (OpenAI-compatible)", "a [b] c", ":smile: x", "sha256:3dfd1c9b…",
+                             "x" * rng.randint(1, 90), "/tmp/lct/adapters/.objects/" + "ab12" * rng.randint(1, 40)]))
                 for _ in range(rng.randint(1, 5))]
-        text = plain_pairs(rows, width)
-        if text is None:
-            continue
         for fold in (False, True):
+            text = plain_pairs(rows, width, fold)
+            if text is None:
+                continue
+            checked += 1
             table = Table(show_header=False, box=None, pad_edge=False)
             table.add_column(style="bold")
             table.add_column(overflow="fold" if fold else "ellipsis")
@@ -297,6 +318,7 @@ def test_plain_pairs_is_rich_key_value_table_or_none(width):
                 table.add_row(key, value)
             out = io.StringIO()
             Console(file=out, width=width, highlight=False, color_system=None).print(table)
-            assert text == out.getvalue(), (rows, width)
-        checked += 1
+            assert text == out.getvalue(), (rows, width, fold)
+            folded += fold and text.count("\n") > len(rows)
     assert checked >= 2
+    assert width not in (60, 80) or folded >= 5   # show's long revision and path are printed without rich

@@ -23,6 +23,7 @@ def unary(socket_path: str, method: str, request: bytes) -> bytes | None:
     except OSError:
         return None
     try:
+        sock.settimeout(10.0)  # a stuck exchange falls back to the full client, which waits as it always has
         sock.connect(socket_path)
         return _exchange(sock, method, request)
     except Exception:  # noqa: BLE001 - every failure is reported by the full client's retry
@@ -31,44 +32,122 @@ def unary(socket_path: str, method: str, request: bytes) -> bytes | None:
         sock.close()
 
 
-def _exchange(sock, method: str, request: bytes) -> bytes | None:
-    import h2.config
-    import h2.connection
-    import h2.events
+# HTTP/2 frame types and flags (RFC 9113, section 6) this exchange reads or writes.
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PING, _GOAWAY, _CONTINUATION = 0, 1, 3, 4, 6, 7, 9
+_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_MAX_FRAME = 16384     # the size every peer must accept before any SETTINGS
+_MAX_WINDOW = 2**31 - 1
+_STREAM = 1            # the client's first stream
 
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-    conn.initiate_connection()
-    stream_id = conn.get_next_available_stream_id()
-    conn.send_headers(stream_id, [
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, stream) + payload
+
+
+def _exchange(sock, method: str, request: bytes) -> bytes | None:
+    """One gRPC call on a fresh HTTP/2 connection, framed here: the h2 package's state machine
+    cost ~20 ms of import, a third of the command. Only hpack (header compression) is borrowed.
+
+    The client opens every window to the maximum at once (SETTINGS and a connection
+    WINDOW_UPDATE), so a reply of any size needs no flow control on the way in; anything this
+    code does not expect (a reset, GOAWAY, a frame on another stream, an oversized request)
+    returns None and the caller asks again through the full client."""
+    import hpack
+
+    message = struct.pack(">?I", False, len(request)) + request
+    if len(message) > _MAX_FRAME:
+        return None
+    headers = hpack.Encoder().encode([
         (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
         (b":authority", b"localhost"), (b"te", b"trailers"), (b"content-type", CONTENT_TYPE),
     ])
-    conn.send_data(stream_id, struct.pack(">?I", False, len(request)) + request, end_stream=True)
-    sock.sendall(conn.data_to_send())
+    if len(headers) > _MAX_FRAME:
+        return None
+    settings = struct.pack(">HI", 0x2, 0) + struct.pack(">HI", 0x4, _MAX_WINDOW)  # no push; open stream windows
+    sock.sendall(_PREFACE + _frame(_SETTINGS, 0, 0, settings)
+                 + _frame(8, 0, 0, struct.pack(">I", _MAX_WINDOW - 65535))  # WINDOW_UPDATE, connection
+                 + _frame(_HEADERS, _END_HEADERS, _STREAM, headers)
+                 + _frame(_DATA, _END_STREAM, _STREAM, message))
+    decoder = hpack.Decoder()
+    frames = _Frames(sock)
     body = bytearray()
-    status_ok = headers_ok = False
+    block = bytearray()   # a header block, across CONTINUATION frames
+    blocks: list[dict] = []
+    ended = False         # END_STREAM seen; the trailers' CONTINUATION frames may still come
     while True:
-        data = sock.recv(65536)
-        if not data:
+        frame = frames.next()
+        if frame is None:
             return None
-        for event in conn.receive_data(data):
-            if isinstance(event, h2.events.ResponseReceived):
-                headers = dict(event.headers)
-                # A trailers-only reply (grpc-status in the headers) is an error: the full client reports it.
-                headers_ok = (headers.get(b":status") == b"200" and b"grpc-status" not in headers
-                              and headers.get(b"content-type", b"").startswith(b"application/grpc"))
-            elif isinstance(event, h2.events.DataReceived):
-                body += event.data
-                conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            elif isinstance(event, h2.events.TrailersReceived):
-                status_ok = dict(event.headers).get(b"grpc-status") == b"0"
-            elif isinstance(event, h2.events.StreamEnded):
-                return _message(bytes(body)) if headers_ok and status_ok else None
-            elif isinstance(event, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+        kind, flags, stream, payload = frame
+        if kind == _SETTINGS and not flags & _ACK:
+            sock.sendall(_frame(_SETTINGS, _ACK, 0))
+        elif kind == _PING and not flags & _ACK:
+            sock.sendall(_frame(_PING, _ACK, 0, payload))
+        elif kind in (_GOAWAY, _RST_STREAM):
+            return None
+        elif kind in (_DATA, _HEADERS, _CONTINUATION):
+            if stream != _STREAM:
                 return None
-        pending = conn.data_to_send()
-        if pending:
-            sock.sendall(pending)
+            if kind != _CONTINUATION:
+                payload = _unpad(payload, flags, priority=kind == _HEADERS)
+                if payload is None:
+                    return None
+            if kind == _DATA:
+                body += payload
+            else:
+                block += payload
+                if flags & _END_HEADERS:
+                    blocks.append({k: v for k, v in decoder.decode(bytes(block), raw=True)})
+                    block.clear()
+            ended = ended or bool(flags & _END_STREAM and kind != _CONTINUATION)
+            if ended and not block:
+                return _reply(blocks, bytes(body))
+
+
+def _reply(blocks: list[dict], body: bytes) -> bytes | None:
+    """The message when the reply was headers 200 (no grpc-status: a trailers-only reply is
+    an error), the message, then trailers with grpc-status 0."""
+    if len(blocks) != 2:
+        return None
+    headers, trailers = blocks
+    if (headers.get(b":status") != b"200" or b"grpc-status" in headers
+            or not headers.get(b"content-type", b"").startswith(b"application/grpc")):
+        return None
+    return _message(body) if trailers.get(b"grpc-status") == b"0" else None
+
+
+def _unpad(payload: bytes, flags: int, priority: bool) -> bytes | None:
+    start, end = 0, len(payload)
+    if flags & _PADDED:
+        if not payload:
+            return None
+        start, end = 1, len(payload) - payload[0]
+    if priority and flags & _PRIORITY:
+        start += 5
+    return payload[start:end] if start <= end else None
+
+
+class _Frames:
+    """Frames read off a blocking socket, one at a time."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def next(self) -> tuple[int, int, int, bytes] | None:
+        while True:
+            if len(self.buffer) >= 9:
+                length = int.from_bytes(self.buffer[:3], "big")
+                if len(self.buffer) >= 9 + length:
+                    kind, flags, stream = struct.unpack(">BBI", self.buffer[3:9])
+                    payload = bytes(self.buffer[9:9 + length])
+                    del self.buffer[:9 + length]
+                    return kind, flags, stream & 0x7FFFFFFF, payload
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.buffer += data
 
 
 def _message(body: bytes) -> bytes | None:

@@ -152,7 +152,7 @@ class Pairs:
         from loractl.cli.listing import _plain_width
 
         width = _plain_width()
-        text = plain_pairs(self.rows, width) if width else None
+        text = plain_pairs(self.rows, width, self.fold) if width else None
         if text is not None:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -168,12 +168,24 @@ class Pairs:
         _print(table)
 
 
-def plain_pairs(rows: list[tuple[str, str]], width: int) -> str | None:
+def plain_pairs(rows: list[tuple[str, str]], width: int, fold: bool = False) -> str | None:
     """``rows`` as rich prints them (see ``Pairs``) without colour, or None when rich would do
-    more than pad (wrap, interpret markup or emoji codes)."""
+    more than pad and fold (wrap at spaces, interpret markup or emoji codes).
+
+    Too wide for ``width``, rich narrows the widest column first, so while the values stay
+    wider than the keys only the value column shrinks: to the rest of the line, every value
+    padded to it. With ``fold`` a value without spaces is then cut into lines of that width
+    (``show``'s revision and path); one with spaces would be word-wrapped: left to rich."""
     if not rows or not all(_PLAIN_PAIR.match(cell) and not _EMOJI_CODE.search(cell) for row in rows for cell in row):
         return None
     keys, values = max(len(k) for k, _ in rows), max(len(v) for _, v in rows)
-    if keys + 2 + values > width:
+    if keys + 2 + values <= width:
+        return "".join(f"{k.ljust(keys)}  {v.ljust(values)}\n" for k, v in rows)
+    room = width - keys - 2
+    if not fold or room < keys or any(" " in v for _, v in rows if len(v) > room):
         return None
-    return "".join(f"{k.ljust(keys)}  {v.ljust(values)}\n" for k, v in rows)
+    lines = []
+    for key, value in rows:
+        chunks = [value[i:i + room] for i in range(0, len(value), room)] or [""]
+        lines += [f"{(key if n == 0 else '').ljust(keys)}  {chunk.ljust(room)}\n" for n, chunk in enumerate(chunks)]
+    return "".join(lines)
