@@ -59,3 +59,22 @@ def test_serve_bench_smoke():
         assert set(only_round[system]["activation"]) == {"hot", "warm", "cold"}
     assert set(report["ratios"]["loractl_over_server"]["one@2"]) >= {"tokens_per_s", "ttft_p50_ms"}
     assert "| one@2 |" in report["markdown"]
+
+
+def test_top_overhead_bench_smoke():
+    """bench/top_overhead.py attaches a real ``loractl top`` beside a load and reports, per
+    round, each attached cell's tokens/s against the bare cells beside it."""
+    work = tempfile.mkdtemp(prefix="lct-top-", dir="/tmp")
+    out = f"{work}/r.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "top_overhead.py"), "--kv-cache", "64MiB", "--rounds", "1",
+         "--streams", "2", "--tokens", "4", "--seconds", "1", "--adapters", "2", "--work", work, "--out", out],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(open(out).read())
+    (only_round,) = report["rounds"]
+    assert [c["cell"] for c in only_round["cells"]] == ["none", "top", "none", "top-fast", "none"]
+    assert all(c["requests"] > 0 and c["tokens_per_s"] > 0 for c in only_round["cells"])
+    # top really ran beside the load: it printed refreshes
+    assert all(c["top_refreshes"] >= 1 for c in only_round["cells"] if c["cell"] != "none"), only_round
+    assert set(report["summary"]) >= {"top", "top-fast", "none_daemon_cpu_per_s"}
