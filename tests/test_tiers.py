@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from adapter_factory import edit_config, good
 from conftest import collect, own_daemon, run_cli, start_daemon
 from test_errors import assert_one_error
 from vllm_lru_model import VllmTiers
@@ -168,17 +169,25 @@ def test_events_stream_lifecycle(tiered):
 
 
 def test_pins_and_preload_survive_a_restart(tiered, home):
+    """Pins persist; preloads load; a preload the engine's loader refuses (placed by hand while
+    the daemon was down) is refused by the preflight, reported, and never reaches the engine."""
     cli(tiered, "pin", NAMES[1])
     cli(tiered, "pin", NAMES[2], "--to", "device")
     saved = json.loads((tiered.home / "state" / "state.json").read_text())
     tiered.stop()
-    d = start_daemon(tiered.home, "--preload", NAMES[0], "--preload", "no-such/v1", name="t")
+    edit_config(good(home / "tiny", tiered.home / "adapters" / "handmade-pissa" / "v1", name="handmade-pissa"),
+                init_lora_weights="pissa")
+    d = start_daemon(tiered.home, "--preload", NAMES[0], "--preload", "no-such/v1", "--preload", "handmade-pissa/v1",
+                     name="t")
     tiered.proc, tiered.log = d.proc, d.log
     listed = listing(d)
     assert (listed[NAMES[1]]["tier"], listed[NAMES[1]]["pin"]) in {("device", "host"), ("host", "host")}
     assert (listed[NAMES[2]]["tier"], listed[NAMES[2]]["pin"]) == ("device", "device")
     assert listed[NAMES[0]]["tier"] == "device" and not listed[NAMES[0]]["pinned"]
     assert "preload no-such/v1" in d.log_tail(200)  # reported, and the daemon still came up
+    refused = [ln for ln in d.log_tail(200).splitlines() if "preload handmade-pissa/v1" in ln]
+    assert refused and "init_lora_weights" in refused[0], d.log_tail(200)
+    assert (listed["handmade-pissa/v1"]["state"], listed["handmade-pissa/v1"]["tier"]) == ("failed", "disk")
     status = json.loads(cli(d, "status", "--json").stdout)
     assert (status["capacity"]["pins"], status["capacity"]["device_pins"], status["admission"]["pinned"]) == (1, 1, 1)
     assert saved == {"pins": [NAMES[1]], "device_pins": [NAMES[2]]}

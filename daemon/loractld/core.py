@@ -420,13 +420,20 @@ class Core:
         return await self._tier_op(name, lambda tiers: tiers.unpin(name))
 
     async def _tier_op(self, name: str, op) -> AdapterView:
-        catalog = await self._wait_catalog()
         _, tiers = await self._wait_engine()
-        ref = self._resolve_adapter(catalog, name, allow_folders=True)  # an unknown name: with close matches
-        await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
+        await self.vet(name)
         await op(tiers)
+        catalog = await self._wait_catalog()
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)
+
+    async def vet(self, name: str) -> None:
+        """Raise unless ``name`` resolves (an unknown name: with close matches) and the engine's
+        loader accepts its content (``store.preflight``): before any tier operation, and for
+        start-up's pins and preloads, which may name files changed while the daemon was down."""
+        catalog = await self._wait_catalog()
+        ref = self._resolve_adapter(catalog, name, allow_folders=True)
+        await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
 
     # -- watching -------------------------------------------------------------------------
     async def watch_events(self) -> AsyncIterator[Event]:

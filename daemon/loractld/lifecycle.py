@@ -338,7 +338,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                           core.events, core.metrics, gate, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
             await tiers.sync()
-            for failure in await tiers.apply_startup(list(settings.preload)):
+            for failure in await tiers.apply_startup(list(settings.preload), vet=core.vet):
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
             core.startup.finish()

@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Awaitable, Callable, Protocol
 
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.store.identity import AdapterRef, AdapterResolver
@@ -453,15 +453,20 @@ class Tiers:
             self.state.save()
         return dropped
 
-    async def apply_startup(self, preload: list[str]) -> list[str]:
+    async def apply_startup(self, preload: list[str],
+                            vet: Callable[[str], Awaitable[None]] | None = None) -> list[str]:
         """Re-pin the persisted pins, then load the preload list; return the failures.
 
+        ``vet(name)`` runs first for each (the daemon passes the engine's preflight: a file
+        placed or changed while the daemon was down reaches the engine only through it).
         A pin or preload that fails (the adapter was removed, or no longer validates) is
         reported and skipped: it never keeps the daemon from serving the others.
         """
         failures = self.fit_saved_pins()
         for name in self.pinned_names():
             try:
+                if vet is not None:
+                    await vet(name)
                 await self.pin(name, self.state.pin_of(name), reason="restart")
             except LoractlError as e:
                 failures.append(f"pin {name}: {e.message}")
@@ -470,6 +475,8 @@ class Tiers:
             if self.state.pin_of(name):
                 continue
             try:
+                if vet is not None:
+                    await vet(name)
                 await self.load(name, "device", reason="preload")
             except LoractlError as e:
                 failures.append(f"preload {name}: {e.message}")
