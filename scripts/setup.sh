@@ -9,7 +9,8 @@ VENV=${LORACTL_VENV:-.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 stamp="$VENV/.loractl-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/loractld" ]; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/loractld" ] \
+   && [ -x "${LORACTL_FRONTEND_VENV:-.venv-frontend}/bin/python" ]; then
   exit 0
 fi
 
@@ -32,5 +33,28 @@ pip_quiet install -q -e ".[cpu,test,dynamo]"  # dynamo: tests/test_dynamo*.py ru
 pip_quiet uninstall -y -q torchvision torchaudio torchcodec triton
 "$VENV/bin/python" -c 'import vllm, loractl, loractld, dynamo.runtime' 2>/dev/null \
   || { echo "setup: the environment does not import; see the pip output above" >&2; exit 1; }
+
+# The fleet tests (tests/test_fleet.py, tests/test_dynamo*.py) run a real etcd and Dynamo's real
+# frontend. etcd: Debian's etcd-server, where this runs as root with apt-get (elsewhere install
+# etcd yourself; the tests say what is missing). The frontend (the ai-dynamo wheel) gets a venv of
+# its own: it is not a loractl dependency, and `pip install ai-dynamo` fails on a mirrored index
+# (a dependency downloads at install time), so the runtime and the frontend's real dependencies
+# go in by name and the wheel itself without its dependencies.
+if ! command -v etcd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing etcd (Debian's etcd-server) for the fleet tests"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null; } \
+    || echo "setup: could not install etcd-server; the fleet tests will say so" >&2
+fi
+FRONTEND=${LORACTL_FRONTEND_VENV:-.venv-frontend}
+if ! "$FRONTEND/bin/python" -c 'import dynamo.frontend' 2>/dev/null; then
+  echo "setup: installing Dynamo's frontend in $FRONTEND (about 750 MB)"
+  [ -x "$FRONTEND/bin/python" ] || "$PY" -m venv "$FRONTEND"
+  VENV=$FRONTEND pip_quiet install -q ai-dynamo-runtime==1.6.1 aiohttp kubernetes msgspec prometheus_client \
+    pyzmq redis transformers tokenizers huggingface_hub pyyaml zstandard
+  VENV=$FRONTEND pip_quiet install -q --no-deps ai-dynamo==1.6.1
+  "$FRONTEND/bin/python" -c 'import dynamo.frontend' \
+    || { echo "setup: Dynamo's frontend does not import; see the pip output above" >&2; exit 1; }
+fi
 echo "$want" > "$stamp"
 echo "setup: done ($VENV)"

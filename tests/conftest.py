@@ -71,14 +71,16 @@ class Daemon:
 
 
 def start_daemon(home: Path, *extra: str, name: str = "d", ready_timeout: float = 240, model: str = "tiny",
-                 engine_flags: list[str] = ENGINE_FLAGS, env: dict | None = None) -> Daemon:
+                 engine_flags: list[str] = ENGINE_FLAGS, env: dict | None = None,
+                 prefix: list[str] | tuple[str, ...] = ()) -> Daemon:
     """Start ``loractld --model MODEL`` under ``home`` (``env`` added to the environment) and
-    wait until Status says ready."""
+    wait until Status says ready. ``prefix`` runs it through a command that execs it, e.g.
+    ``ip netns exec NS`` (the pid stays the daemon's)."""
     sock = home / f"{name}.sock"
     log = home / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket", str(sock),
+            [*prefix, str(BIN / "loractld"), "--model", model, "--home", str(home), "--socket", str(sock),
              *engine_flags, *extra],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
         )

@@ -139,8 +139,9 @@ class HubStub:
     #: Entries per page of a tree listing (the Hub uses 1000); lower it to exercise the ``Link`` pagination.
     tree_page_size: int = 1000
 
-    def __init__(self, *, token: str | None = None, lfs_threshold: int = 1024) -> None:
+    def __init__(self, *, token: str | None = None, lfs_threshold: int = 1024, host: str = "127.0.0.1") -> None:
         self.token = token
+        self.host = host  # another address for clients in other network namespaces (tests/fleet_rig.py)
         self.lfs_threshold = lfs_threshold
         #: (method, path) of every request received, in order; the path is as sent (still URL-quoted, so a
         #: revision like ``refs/pr/1`` shows as ``refs%2Fpr%2F1``), without the query string.
@@ -236,8 +237,8 @@ class HubStub:
             hub = stub
 
         self._stopping.clear()
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self._endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._server = Server((self.host, 0), Handler)
+        self._endpoint = f"http://{self.host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="hub-stub", daemon=True
         )

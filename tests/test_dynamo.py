@@ -10,8 +10,8 @@ on A's system port; the frontend's requests for B's adapter all reach B with the
 text; SIGTERM withdraws every key at once (the file backend would drop them only after ~10 s).
 
 The frontend (``python -m dynamo.frontend``, the ai-dynamo wheel) is not a loractl dependency:
-$LORACTL_DYNAMO_FRONTEND_PYTHON names an interpreter that has it, else this interpreter is
-tried; without one, that test is skipped with the reason. Bounded: about a minute here.
+scripts/setup.sh installs it in .venv-frontend ($LORACTL_DYNAMO_FRONTEND_PYTHON names another
+interpreter that has it); without one, that test is skipped with the reason. Bounded: about a minute here.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from urllib.parse import unquote
 import pytest
 
 from conftest import REPO, start_daemon, run_cli
+from fleet_rig import frontend_python
 
 pytest.importorskip("dynamo.runtime", reason="the Dynamo runtime is not installed (pip install '.[dynamo]')")
 
@@ -225,12 +226,9 @@ def test_dynamo_lora_management_on_the_system_port(fleet, demo):
 
 
 def _frontend_python() -> tuple[str | None, str]:
-    candidates = [os.environ.get("LORACTL_DYNAMO_FRONTEND_PYTHON"), sys.executable]
-    for python in filter(None, candidates):
-        if subprocess.run([python, "-c", "import dynamo.frontend"], capture_output=True).returncode == 0:
-            return python, ""
-    return None, ("Dynamo's frontend is not installed (pip install --no-deps ai-dynamo==1.6.1 and its "
-                  "dependencies; or set LORACTL_DYNAMO_FRONTEND_PYTHON to an interpreter that has it)")
+    python = frontend_python()
+    return python, ("" if python else "Dynamo's frontend is not installed (bash scripts/setup.sh makes .venv-frontend; "
+                                      "or set LORACTL_DYNAMO_FRONTEND_PYTHON to an interpreter that has it)")
 
 
 def _post(url: str, body: dict) -> dict:
