@@ -177,23 +177,23 @@ class Rig:
         return proc
 
     def close(self) -> None:
+        # Newest first, one at a time: the frontends go before the daemons, which leave the
+        # fleet (withdraw their keys) while etcd still answers, and etcd goes last.
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
+                    proc.wait(30)
                 except ProcessLookupError:
                     pass
-        for proc in reversed(self.procs):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-            # The engine core and anything else left in the process group.
+                except subprocess.TimeoutExpired:
+                    pass
+            # What is left of it and its process group (the engine core of a daemon killed hard).
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            proc.wait(10)
         for ns in self.namespaces:  # deleting the namespace deletes its end of the veth, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
