@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -51,7 +52,7 @@ from thrash_bench import POLICIES, PolicySystem, connect, launched  # noqa: E402
 SYSTEMS = (*POLICIES, "server")
 RATIO_FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
 CENTRE = {"adapters": 8, "max_loras": 2, "max_cpu_loras": 4, "clients": 16, "tokens": 16, "zipf": 1.0,
-          "arrival": "closed", "cpu_job": None}
+          "arrival": "closed", "cpu_job": None, "omp_threads": None}
 # One axis at a time from the centre: (cell name, what differs from the centre).
 CELLS = [
     ("centre", {}),
@@ -69,8 +70,10 @@ CELLS = [
     ("open-loop", {"arrival": "open"}),
     ("cpu-job@core0", {"cpu_job": 0}),
     ("cpu-job@core1", {"cpu_job": 1}),
-    ("cpu-job@core0,clients=4", {"cpu_job": 0, "clients": 4}),
-    ("cpu-job@core0,clients=64", {"cpu_job": 0, "clients": 64}),
+    ("cpu-job@core0+clients=4", {"cpu_job": 0, "clients": 4}),
+    ("cpu-job@core0+clients=64", {"cpu_job": 0, "clients": 64}),
+    ("omp=1", {"omp_threads": 1}),
+    ("omp=1+cpu-job@core0", {"omp_threads": 1, "cpu_job": 0}),
 ]
 QUICK_CENTRE = {**CENTRE, "adapters": 4, "max_cpu_loras": 3, "clients": 8, "tokens": 8}
 QUICK_CELLS = [("quick-closed", {}), ("quick-open", {"arrival": "open"})]
@@ -91,17 +94,34 @@ def specs(args) -> list[dict]:
         # Long outputs: fewer requests (a third of the centre's, at least 2 per client).
         base = args.requests if spec["tokens"] <= 32 else args.requests // 3
         spec["requests"] = max(base, 2 * spec["clients"])
+        spec["timeout_s"] = args.run_timeout
         out.append(spec)
     if wanted is not None and len(out) != len(wanted):
         raise SystemExit(f"unknown cells: {sorted(wanted - {s['name'] for s in out})}")
     return out
 
 
-def configurations(cells: list[dict]) -> dict[tuple[int, int], list[dict]]:
-    groups: dict[tuple[int, int], list[dict]] = {}
+def configurations(cells: list[dict]) -> dict[tuple, list[dict]]:
+    """Cells grouped by what the engines are started with: slots, host entries, OMP threads."""
+    groups: dict[tuple, list[dict]] = {}
     for spec in cells:
-        groups.setdefault((spec["max_loras"], spec["max_cpu_loras"]), []).append(spec)
+        groups.setdefault((spec["max_loras"], spec["max_cpu_loras"], spec["omp_threads"]), []).append(spec)
     return groups
+
+
+@contextlib.contextmanager
+def omp_threads(threads: int | None):
+    """``OMP_NUM_THREADS`` for the engines started inside (inherited by every system)."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 async def run(system, spec: dict, seed: int) -> dict:
@@ -118,7 +138,7 @@ async def run(system, spec: dict, seed: int) -> dict:
             while queue:
                 samples.append(await system.request(queue.pop(), spec["tokens"]))
 
-        await asyncio.gather(*(client() for _ in range(spec["clients"])))
+        load = asyncio.gather(*(client() for _ in range(spec["clients"])))
     else:
         arrivals = random.Random(seed + 1)
         at, times = 0.0, []
@@ -130,7 +150,18 @@ async def run(system, spec: dict, seed: int) -> dict:
             await asyncio.sleep(max(0.0, when - (time.perf_counter() - began)))
             samples.append(await system.request(adapter, spec["tokens"]))
 
-        await asyncio.gather(*(arrive(when, adapter) for when, adapter in zip(times, sequence)))
+        load = asyncio.gather(*(arrive(when, adapter) for when, adapter in zip(times, sequence)))
+    try:
+        await asyncio.wait_for(load, spec["timeout_s"])
+    except asyncio.TimeoutError:
+        # Cut short (a collapsed system would hold the matrix for minutes): the figures are
+        # those of the requests that finished, tokens/s over the time allowed.
+        wall = time.perf_counter() - began
+        await asyncio.sleep(2.0)  # what was cancelled leaves the engine
+        if not samples:
+            return {"requests": 0, "tokens_per_s": 0.0, "timed_out": True, "unfinished": spec["requests"],
+                    "wall_s": round(wall, 3), **{f: None for f in ("ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")}}
+        return {**figures(samples, wall), "timed_out": True, "unfinished": spec["requests"] - len(samples)}
     return figures(samples, time.perf_counter() - began)
 
 
@@ -175,7 +206,8 @@ async def run_configuration(systems: list, cells: list[dict], args, results: dic
 def ratios(rounds: list[dict], system: str, baseline: str = "server") -> dict:
     out = {}
     for figure in RATIO_FIGURES:
-        values = [r[system][figure] / r[baseline][figure] for r in rounds if r[baseline][figure]]
+        values = [r[system][figure] / r[baseline][figure] for r in rounds
+                  if r[baseline][figure] and r[system][figure] is not None]
         if values:
             out[figure] = {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
                            "max": round(max(values), 2)}
@@ -201,9 +233,13 @@ def verdict(r: dict) -> list[str]:
 def summarise(results: dict) -> None:
     for entry in results.values():
         rounds = entry["rounds"]
+        if not rounds:
+            continue
         entry["ratios"] = {policy: ratios(rounds, policy) for policy in POLICIES if all(policy in r for r in rounds)}
-        entry["medians"] = {s: {f: statistics.median(r[s][f] for r in rounds) for f in (*RATIO_FIGURES, "ttft_max_ms")}
-                            for s in SYSTEMS if rounds and all(s in r for r in rounds)}
+        entry["medians"] = {s: {f: statistics.median(r[s][f] for r in rounds if r[s][f] is not None)
+                                for f in (*RATIO_FIGURES, "ttft_max_ms") if any(r[s][f] is not None for r in rounds)}
+                            for s in SYSTEMS if all(s in r for r in rounds)}
+        entry["timed_out"] = sorted({s for r in rounds for s in SYSTEMS if r.get(s, {}).get("timed_out")})
         entry["load_average_1min"] = [r["load_average_before"][0] for r in rounds]
         entry["verdict"] = {policy: verdict(r) for policy, r in entry["ratios"].items()}
 
@@ -222,10 +258,12 @@ def markdown(results: dict) -> str:
             continue
         b, f, m = entry["ratios"]["batching"], entry["ratios"].get("first-come", {}), entry["medians"]
         absolute = " / ".join(f"{m[s]['tokens_per_s']:.0f}" if s in m else "—" for s in SYSTEMS)
-        p99 = " / ".join(f"{m[s]['ttft_p99_ms']:.0f}" if s in m else "—" for s in SYSTEMS)
+        p99 = " / ".join(f"{m[s]['ttft_p99_ms']:.0f}" if "ttft_p99_ms" in m.get(s, {}) else "—" for s in SYSTEMS)
         loads = entry["load_average_1min"]
         load = f"{min(loads):.1f}–{max(loads):.1f}" if len(loads) > 1 else f"{loads[0]:.1f}"
         lose = ", ".join(entry["verdict"]["batching"]) or "no"
+        if entry["timed_out"]:
+            lose += f" (cut short at {entry['spec']['timeout_s']:.0f} s: {', '.join(entry['timed_out'])})"
         lines.append(f"| {name} | {fmt(b, 'tokens_per_s')} | {fmt(b, 'ttft_p50_ms')} | {fmt(b, 'ttft_p99_ms')} | "
                      f"{fmt(f, 'tokens_per_s')} | {fmt(f, 'ttft_p99_ms')} | {absolute} | {p99} | {load} | {lose} |")
     return "\n".join(lines)
@@ -239,8 +277,12 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=96, help="requests per cell of short outputs (a third for long)")
     p.add_argument("--rate", type=float, default=20.0, help="open-loop arrival rate, requests/s")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--run-timeout", type=float, default=30.0,
+                   help="seconds one system may take over one cell; after it the run is cut short and marked")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: start no engine configuration after this much wall time (its cells: skipped)")
     p.add_argument("--quick", action="store_true", help="the CI subset: 2 cells of one configuration, 1 round")
     p.add_argument("--workdir")
     p.add_argument("--out")
@@ -255,13 +297,18 @@ def main() -> None:
     names = [f"bench/a{i}" for i in range(len(paths))]
     results = {spec["name"]: {"spec": spec, "rounds": []} for spec in cells}
     began = time.monotonic()
-    for (max_loras, max_cpu_loras), group in configurations(cells).items():
+    for (max_loras, max_cpu_loras, threads), group in configurations(cells).items():
+        if args.budget and time.monotonic() - began > args.budget:
+            print(f"over the {args.budget:.0f} s budget: skipping {[s['name'] for s in group]}", file=sys.stderr)
+            for spec in group:
+                results[spec["name"]]["skipped"] = "over the time budget"
+            continue
         config = argparse.Namespace(**{**vars(args), "max_loras": max_loras, "max_cpu_loras": max_cpu_loras})
-        print(f"configuration max_loras={max_loras} max_cpu_loras={max_cpu_loras}: "
+        print(f"configuration max_loras={max_loras} max_cpu_loras={max_cpu_loras} omp_threads={threads}: "
               f"{[s['name'] for s in group]} ({time.monotonic() - began:.0f} s in)", file=sys.stderr, flush=True)
-        home = work / f"l{max_loras}-h{max_cpu_loras}"
+        home = work / f"l{max_loras}-h{max_cpu_loras}-t{threads or 0}"
         home.mkdir(parents=True, exist_ok=True)
-        with launched(model, names, paths, config, home, wanted) as (daemons, server):
+        with omp_threads(threads), launched(model, names, paths, config, home, wanted) as (daemons, server):
             async def go() -> None:
                 systems = await connect(daemons, server, model, names, paths)
                 try:
@@ -274,7 +321,8 @@ def main() -> None:
     summarise(results)
     report = {"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
               "settings": {k: getattr(args, k) for k in ("device", "rank", "adapters", "max_model_len", "max_num_seqs",
-                                                         "kv_cache", "requests", "rate", "max_wait", "rounds", "quick")},
+                                                         "kv_cache", "requests", "rate", "max_wait", "rounds", "quick",
+                                                         "budget", "run_timeout")},
               "centre": QUICK_CENTRE if args.quick else CENTRE, "wall_s": round(time.monotonic() - began, 1),
               "cells": results}
     report["markdown"] = markdown(results)
