@@ -158,12 +158,12 @@ class AsyncLLMSystem:
 
 
 # -- the load -----------------------------------------------------------------------------
-def adapter_sequence(workload: str, count: int, adapters: int, seed: int) -> list[int | None]:
+def adapter_sequence(workload: str, count: int, adapters: int, seed: int, exponent: float = 1.1) -> list[int | None]:
     if workload == "base":
         return [None] * count
     if workload == "one":
         return [0] * count
-    weights = [1 / (i + 1) ** 1.1 for i in range(adapters)]
+    weights = [1 / (i + 1) ** exponent for i in range(adapters)]
     return random.Random(seed).choices(range(adapters), weights=weights, k=count)
 
 
@@ -181,7 +181,11 @@ async def cell(system, workload: str, streams: int, args, seed: int) -> dict:
 
     began = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(streams)))
-    wall = time.perf_counter() - began
+    return figures(samples, time.perf_counter() - began)
+
+
+def figures(samples: list[Sample], wall: float) -> dict:
+    """A cell's figures from its samples and its wall time."""
     ttfts = [s.ttft for s in samples]
     itls = [s.itl for s in samples if s.itl is not None]
     return {"requests": len(samples), "tokens_per_s": round(sum(s.tokens for s in samples) / wall, 1),

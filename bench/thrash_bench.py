@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import shutil
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -115,6 +117,62 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def server_names(names: list[str]) -> list[str]:
+    """The server's names for the adapters (its --lora-modules take no '/')."""
+    return [n.replace("/", "-") for n in names]
+
+
+@contextlib.contextmanager
+def launched(model: str, names: list[str], paths: list[Path], args, work: Path, wanted: list[str]):
+    """Start a loractld per wanted policy and vLLM's server, side by side (all with ``args``'s
+    engine settings); yield ``(daemons, server)`` and stop them all after."""
+    jobs = {}
+    with ThreadPoolExecutor(3) as pool:
+        for policy in POLICIES:
+            if policy in wanted:
+                home = work / f"home-{policy}"
+                shutil.rmtree(home, ignore_errors=True)
+                home.mkdir(parents=True)
+                extra = ["--admission", policy]
+                if args.max_num_seqs:
+                    extra += ["--max-num-seqs", str(args.max_num_seqs)]
+                if policy == "batching" and args.max_wait is not None:
+                    extra += ["--admission-max-wait", str(args.max_wait)]
+                jobs[policy] = pool.submit(_setup.Daemon, model, args, home, extra)
+        if "server" in wanted:
+            jobs["server"] = pool.submit(start_server, model, server_names(names), paths, args, work / "server.log")
+    started = {key: job.result() for key, job in jobs.items() if job.exception() is None}
+    server = started.pop("server", None)
+    try:
+        for job in jobs.values():
+            if job.exception() is not None:
+                raise job.exception()
+        yield started, server
+    finally:
+        for daemon in started.values():
+            daemon.stop()
+        if server:
+            stop(server[0])
+
+
+async def connect(daemons: dict, server, model: str, names: list[str], paths: list[Path]) -> list:
+    """The systems to drive: each daemon (its store given the adapters), then the server."""
+    from loractl import Client
+
+    systems = []
+    for policy, daemon in daemons.items():
+        async with Client(daemon.socket) as c:
+            for name, path in zip(names, paths):
+                async for _ in c.pull(str(path), name=name):
+                    pass
+        system = PolicySystem(policy, daemon.socket, names)
+        await system.start_watching()
+        systems.append(system)
+    if server:
+        systems.append(ServerSystem(server[1], model, server_names(names)))
+    return systems
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _setup.engine_arguments(p, adapters=8)
@@ -137,37 +195,9 @@ def main() -> None:
     model, paths = _setup.prepare(args.model, args.adapters, args.rank, work)
     names = [f"bench/a{i}" for i in range(len(paths))]
 
-    daemons: dict[str, _setup.Daemon] = {}
-    server = None
-    try:
-        for policy in POLICIES:
-            if policy in wanted:
-                home = work / f"home-{policy}"
-                shutil.rmtree(home, ignore_errors=True)
-                home.mkdir()
-                extra = ["--admission", policy]
-                if args.max_num_seqs:
-                    extra += ["--max-num-seqs", str(args.max_num_seqs)]
-                if policy == "batching" and args.max_wait is not None:
-                    extra += ["--admission-max-wait", str(args.max_wait)]
-                daemons[policy] = _setup.Daemon(model, args, home, extra)
-        if "server" in wanted:
-            server = start_server(model, [n.replace("/", "-") for n in names], paths, args, work / "server.log")
-
+    with launched(model, names, paths, args, work, wanted) as (daemons, server):
         async def go() -> dict:
-            from loractl import Client
-
-            systems = []
-            for policy, daemon in daemons.items():
-                async with Client(daemon.socket) as c:
-                    for name, path in zip(names, paths):
-                        async for _ in c.pull(str(path), name=name):
-                            pass
-                system = PolicySystem(policy, daemon.socket, names)
-                await system.start_watching()
-                systems.append(system)
-            if server:
-                systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
+            systems = await connect(daemons, server, model, names, paths)
             try:
                 return {"rounds": [await run_round(systems, args, i) for i in range(args.rounds)]}
             finally:
@@ -175,11 +205,6 @@ def main() -> None:
                     await s.close()
 
         results = asyncio.run(go())
-    finally:
-        for daemon in daemons.values():
-            daemon.stop()
-        if server:
-            stop(server[0])
     report = {"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
               "settings": {k: getattr(args, k) for k in ("device", "rank", "adapters", "max_loras", "max_cpu_loras",
                                                          "max_model_len", "max_num_seqs", "kv_cache", "tokens",

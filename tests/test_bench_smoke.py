@@ -78,3 +78,33 @@ def test_top_overhead_bench_smoke():
     # top really ran beside the load: it printed refreshes
     assert all(c["top_refreshes"] >= 1 for c in only_round["cells"] if c["cell"] != "none"), only_round
     assert set(report["summary"]) >= {"top", "top-fast", "none_daemon_cpu_per_s"}
+
+
+# The floor for the CI guard on bench/matrix_bench.py --quick: loractl's default (batching)
+# tokens/s over vLLM's server, per cell, in a one-round run. Measured on the 2-core CI kind of
+# machine: closed loop 1.91x on a quiet machine; open loop 1.0x (the arrival rate sets the
+# throughput while both keep up). Under a CPU-heavy neighbour loractl collapsed to 0.08-0.4x
+# (issue 25), which is what this is to catch; 0.5 leaves room for one round's noise.
+MATRIX_TOKENS_FLOOR = 0.5
+
+
+def test_matrix_bench_quick_guard():
+    """bench/matrix_bench.py --quick: every cell has runs from both loractl policies and
+    vLLM's server, and loractl's default keeps at least MATRIX_TOKENS_FLOOR of the server's
+    tokens/s in every cell."""
+    work = tempfile.mkdtemp(prefix="lct-mx-", dir="/tmp")
+    out = f"{work}/r.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "matrix_bench.py"), "--quick", "--workdir", work, "--out", out],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(open(out).read())
+    assert set(report["cells"]) == {"quick-closed", "quick-open"}
+    for name, cell in report["cells"].items():
+        (only_round,) = cell["rounds"]
+        for system in ("batching", "first-come", "server"):
+            assert only_round[system]["requests"] == cell["spec"]["requests"] and only_round[system]["tokens_per_s"] > 0
+        ratio = cell["ratios"]["batching"]["tokens_per_s"]["median"]
+        assert ratio >= MATRIX_TOKENS_FLOOR, (name, ratio, only_round)
+        assert len(only_round["load_average_before"]) == 3
+    assert "| quick-closed |" in report["markdown"]
