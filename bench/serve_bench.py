@@ -94,14 +94,24 @@ class LoractlSystem:
         self.client.close()
 
 
+def httpx_module(openai):
+    """The HTTP library the ``openai`` package is built on (``httpx``, or ``httpx2`` in newer releases)."""
+    base = openai._base_client
+    return getattr(base, "httpx2", None) or base.httpx
+
+
 class ServerSystem:
     name = "server"
 
     def __init__(self, port: int, model: str, names: list[str]) -> None:
         import openai
 
+        # Pooled connections expire before uvicorn's 5 s keep-alive does: a request sent on one
+        # the server had just closed failed with ReadError once other systems' runs left it idle ~5 s.
+        limits = httpx_module(openai).Limits(max_connections=1000, max_keepalive_connections=100,
+                                                  keepalive_expiry=2.0)
         self.client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0,
-                                         timeout=600)
+                                         timeout=600, http_client=openai.DefaultAsyncHttpxClient(limits=limits))
         self.model = model
         self.names = names
 

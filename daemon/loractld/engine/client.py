@@ -127,6 +127,35 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
+def _start_async_llm(async_llm: Any, args: Any, usage_context: Any, device: str) -> Any:
+    """``AsyncLLM.from_engine_args``, with vLLM's own OpenMP placement for the worker on the CPU.
+
+    vLLM binds its CPU worker's OpenMP threads (``OMP_NUM_THREADS`` and their cores, from
+    ``VLLM_CPU_OMP_THREADS_BIND``, a core kept free for the scheduler) only when its
+    multiprocessing executor starts a worker process. Our engine core holds its worker
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so without this the worker ran one spinning,
+    unbound OpenMP thread per core: any other busy process on the machine stalled every
+    parallel region, and tokens/s fell to a tenth of vLLM's own server beside the same
+    job (docs/benchmarks.md, "CPU contention"). The engine core process is started inside
+    this block and inherits the variables; they are restored here afterwards. As in vLLM's
+    server, ``VLLM_CPU_OMP_THREADS_BIND`` is the knob (``nobind`` leaves OpenMP alone).
+    """
+    config = args.create_engine_config(usage_context)
+    placement = contextlib.nullcontext()
+    if device == "cpu":
+        try:
+            from vllm.utils.ompmultiprocessing import OMPProcessManager
+        except ImportError:  # older vLLM: its CPU worker bound its own threads
+            OMPProcessManager = None
+        if OMPProcessManager is not None:
+            placement = OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
+    with placement:
+        _log.info("engine OpenMP: %s threads on cores %s", os.environ.get("OMP_NUM_THREADS", "all"),
+                  os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_PLACES") or "any")
+        return async_llm.from_vllm_config(config, usage_context=usage_context,
+                                          disable_log_stats=args.disable_log_stats)
+
+
 def _first_line(error: Exception) -> str:
     return (str(error).strip() or type(error).__name__).splitlines()[0]
 
@@ -210,8 +239,7 @@ class Engine:
         try:
             # Blocking for seconds; a thread keeps the daemon's loop (signals, Status) alive.
             # The server's usage context: the batch defaults users get from `vllm serve`.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args,
-                                          usage_context=UsageContext.OPENAI_API_SERVER)
+            llm = await asyncio.to_thread(_start_async_llm, AsyncLLM, args, UsageContext.OPENAI_API_SERVER, device)
         except Exception as e:
             raise EngineUnavailable(
                 f"the engine failed to start for model {settings.model!r}: {e}",
