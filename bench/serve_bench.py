@@ -189,9 +189,34 @@ async def cell(system, workload: str, streams: int, args, seed: int) -> dict:
         while queue:
             samples.append(await system.request(queue.pop(), args.tokens))
 
+    frontend = _process(getattr(system, "frontend_pid", None))
+    cpu_before, client_before = _cpu(frontend), time.process_time()
     began = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(streams)))
-    return figures(samples, time.perf_counter() - began)
+    result = figures(samples, time.perf_counter() - began)
+    tokens = sum(s.tokens for s in samples)
+    if frontend is not None and tokens:
+        # The process that answers the client (loractld's own, or the server's API process), not its
+        # engine core; and this benchmark process, which for AsyncLLM *is* the front end.
+        result["frontend_cpu_us_per_token"] = round((_cpu(frontend) - cpu_before) / tokens * 1e6, 1)
+    if tokens:
+        result["client_cpu_us_per_token"] = round((time.process_time() - client_before) / tokens * 1e6, 1)
+    return result
+
+
+def _process(pid: int | None):
+    if pid is None:
+        return None
+    import psutil
+
+    return psutil.Process(pid)
+
+
+def _cpu(process) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def figures(samples: list[Sample], wall: float) -> dict:
@@ -401,8 +426,10 @@ def main() -> None:
                         async for _ in c.pull(str(path), name=name):
                             pass
                 systems.append(LoractlSystem(daemon.socket, names))
+                systems[-1].frontend_pid = daemon.proc.pid
             if server:
                 systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
+                systems[-1].frontend_pid = server[0].pid  # the API server process; its engine core is a child
             if "asyncllm" in wanted:
                 systems.append(AsyncLLMSystem(_setup.vllm_engine(model, args), paths))
             try:
