@@ -25,6 +25,7 @@ from loractl.errors import LoractlError
 from loractld.engine import pidfile as enginepid
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
+from loractld.api.coalesce import CoalescingServer
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
@@ -266,7 +267,9 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
                 served_model_name=settings.served_model_name or settings.engine.model)
     core.auto_pull = settings.auto_pull
-    server = Server([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
+    # LORACTL_GRPC_COALESCE=0: grpclib's own server, one write per frame (the benchmarks' control).
+    server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
+    server = server_class([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
     if activated is not None:
         await server.start(sock=activated)
         _log.info("listening on %s (socket activation)", sock_path)
