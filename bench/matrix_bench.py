@@ -266,6 +266,14 @@ def markdown(results: dict) -> str:
             lose += f" (cut short at {entry['spec']['timeout_s']:.0f} s: {', '.join(entry['timed_out'])})"
         lines.append(f"| {name} | {fmt(b, 'tokens_per_s')} | {fmt(b, 'ttft_p50_ms')} | {fmt(b, 'ttft_p99_ms')} | "
                      f"{fmt(f, 'tokens_per_s')} | {fmt(f, 'ttft_p99_ms')} | {absolute} | {p99} | {load} | {lose} |")
+    adaptive = [(name, e) for name, e in results.items() if "adaptive" in e.get("ratios", {})]
+    if adaptive:
+        lines += ["", "| cell | adaptive tok/s ×server | adaptive TTFT p50 ×server | adaptive TTFT p99 ×server | "
+                      "adaptive loses? |", "|---|---|---|---|---|"]
+        for name, entry in adaptive:
+            a = entry["ratios"]["adaptive"]
+            lines.append(f"| {name} | {fmt(a, 'tokens_per_s')} | {fmt(a, 'ttft_p50_ms')} | {fmt(a, 'ttft_p99_ms')} | "
+                         f"{', '.join(entry['verdict']['adaptive']) or 'no'} |")
     return "\n".join(lines)
 
 
@@ -273,14 +281,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _setup.engine_arguments(p, adapters=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own")
-    p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching daemon")
+    p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching and adaptive daemons")
     p.add_argument("--requests", type=int, default=96, help="requests per cell of short outputs (a third for long)")
     p.add_argument("--rate", type=float, default=20.0, help="open-loop arrival rate, requests/s")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--run-timeout", type=float, default=30.0,
                    help="seconds one system may take over one cell; after it the run is cut short and marked")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default="batching,first-come,server",
+                   help=f"of {','.join(SYSTEMS)} (adaptive: loractld --admission adaptive)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no engine configuration after this much wall time (its cells: skipped)")
     p.add_argument("--quick", action="store_true", help="the CI subset: 2 cells of one configuration, 1 round")

@@ -13,6 +13,7 @@ idle); at each load level every system's cell runs back to back, the order rotat
 and round:
 
 - ``batching``   — loractld ``--admission batching`` (its default), through ``loractl.Client``;
+- ``adaptive``   — loractld ``--admission adaptive`` (batching, the bound from measured drains; opt in);
 - ``first-come`` — loractld ``--admission first-come``;
 - ``server``     — ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs),
   through the ``openai`` package, streaming chat.
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402
 from serve_bench import LoractlSystem, ServerSystem, cell, start_server, stop  # noqa: E402
 
-POLICIES = ("batching", "first-come")
+POLICIES = ("batching", "adaptive", "first-come")
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")
 
 
@@ -127,7 +128,7 @@ def launched(model: str, names: list[str], paths: list[Path], args, work: Path, 
     """Start a loractld per wanted policy and vLLM's server, side by side (all with ``args``'s
     engine settings); yield ``(daemons, server)`` and stop them all after."""
     jobs = {}
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         for policy in POLICIES:
             if policy in wanted:
                 home = work / f"home-{policy}"
@@ -136,7 +137,7 @@ def launched(model: str, names: list[str], paths: list[Path], args, work: Path, 
                 extra = ["--admission", policy]
                 if args.max_num_seqs:
                     extra += ["--max-num-seqs", str(args.max_num_seqs)]
-                if policy == "batching" and args.max_wait is not None:
+                if policy in ("batching", "adaptive") and args.max_wait is not None:
                     extra += ["--admission-max-wait", str(args.max_wait)]
                 jobs[policy] = pool.submit(_setup.Daemon, model, args, home, extra)
         if "server" in wanted:
@@ -182,7 +183,7 @@ def main() -> None:
     p.add_argument("--streams", default="4,8,16")
     p.add_argument("--requests", type=int, default=192, help="requests per cell")
     p.add_argument("--systems", default="batching,first-come,server")
-    p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching daemon")
+    p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching and adaptive daemons")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir")
     p.add_argument("--out")

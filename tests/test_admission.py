@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from loractld.serving.admission import AdapterBatching, FirstCome, Gate, make_policy
+from loractld.serving.admission import AdapterBatching, AdaptiveBatching, FirstCome, Gate, make_policy
 
 
 class Clock:
@@ -67,7 +67,7 @@ def test_base_requests_and_device_pinned_adapters_never_wait():
     run(go())
 
 
-@pytest.mark.parametrize("policy", ["first-come", "batching"])
+@pytest.mark.parametrize("policy", ["first-come", "batching", "adaptive"])
 def test_never_more_adapters_than_places_under_random_traffic(policy):
     """Random arrivals, ends, cancellations, pins and unpins: the invariant holds after each,
     and every request that was not cancelled is admitted in the end."""
@@ -166,6 +166,38 @@ def test_batching_joins_a_running_adapter_until_another_waited_too_long():
         await settle()
         assert cold.done() and not late.done()  # the place went to the starving adapter
         assert cold.result().wait_s == pytest.approx(1.5)
+    run(go())
+
+
+def test_adaptive_bounds_the_wait_by_the_measured_drain_never_above_max_wait():
+    """Before a hand-over was measured, 'adaptive' is 'batching'; after one, a waiter starves
+    once it has waited as long as that drain took, and never later than max_wait_s."""
+    async def go():
+        clock = Clock()
+        policy = AdaptiveBatching(max_wait_s=1.0)
+        gate = checked(Gate(1, policy, clock=clock))
+        hot = await arrive(gate, 1)
+        cold = await arrive(gate, 2)
+        clock.now = 0.9
+        joined = await arrive(gate, 1)
+        assert joined.done() and policy.bound() == 1.0      # nothing measured: the fixed bound
+        clock.now = 1.2                                     # starved at 1.0; the place frees at 1.2
+        gate.finish(hot.result())
+        gate.finish(joined.result())
+        await settle()
+        assert cold.done() and policy.drain_s == pytest.approx(0.2) and policy.bound() == pytest.approx(0.2)
+
+        late = await arrive(gate, 3)                        # adapter 2 holds the place now
+        clock.now = 1.2 + 0.3                               # 0.3 s: past the measured drain
+        refused = await arrive(gate, 2)
+        assert not refused.done() and not late.done()       # adapter 2 hands over, as batching would not yet
+        gate.finish(cold.result())
+        await settle()
+        assert late.done()                                  # starved at 1.4, placed at 1.5: a 0.1 s drain
+        assert policy.drain_s == pytest.approx(0.2 + 0.2 * (0.1 - 0.2))
+
+        policy.drain_s = 30.0                               # a long drain: the fixed bound is in charge
+        assert policy.bound() == 1.0
     run(go())
 
 

@@ -238,7 +238,7 @@ class Core:
                                 age_s=now - t.arrived) for t in gate.tickets.values()]
         return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
                              active=len(gate.unpinned_active()), queued=len(gate.queue),
-                             max_wait_s=float(getattr(gate.policy, "max_wait_s", 0.0)), requests=requests)
+                             max_wait_s=float(gate.policy.bound()) if hasattr(gate.policy, "bound") else 0.0, requests=requests)
 
     @property
     def model_label(self) -> str:

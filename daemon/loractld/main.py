@@ -104,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
     p.add_argument("--admission", choices=POLICIES, default=DEFAULT_POLICY,
                    help="which waiting adapter gets a freed device slot: 'batching' drains a hot adapter's queue "
-                        "in one batch while bounding every wait (--admission-max-wait), 'first-come' admits in "
+                        "in one batch while bounding every wait (--admission-max-wait), 'adaptive' is batching with the bound "
+                        "lowered to the measured time a hand-over takes, 'first-come' admits in "
                         f"arrival order (default: {DEFAULT_POLICY})")
     p.add_argument("--admission-max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="SECONDS",
-                   help="batching: after a request for another adapter waited this long, the adapter holding "
+                   help="batching, adaptive (at most): after a request for another adapter waited this long, the adapter holding "
                         f"a slot longest stops taking new requests and hands it over (default: {DEFAULT_MAX_WAIT_S})")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")

@@ -106,7 +106,7 @@ class AdmissionView:
     pinned: int = 0             # places held by device pins
     active: int = 0             # places held by unpinned adapters with requests in the engine
     queued: int = 0
-    max_wait_s: float = 0.0     # the batching policy's bound before an adapter hands its slot over
+    max_wait_s: float = 0.0     # the batching policies' bound in force before an adapter hands its slot over
     requests: list[RequestView] = field(default_factory=list)
 
 

@@ -53,7 +53,7 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     table.add_row("in flight", str(info["requests_in_flight"]))
     gate = info.get("admission") or {}
     if gate.get("policy"):
-        bound = f", hand-over after {gate['max_wait_s']:g} s" if gate["policy"] == "batching" else ""
+        bound = f", hand-over after {gate['max_wait_s']:.3g} s" if gate["policy"] in ("batching", "adaptive") else ""
         table.add_row("admission", f"{gate['policy']}{bound}")
         table.add_row("slots", f"{gate['active']} adapter(s) running, {gate['queued']} request(s) waiting "
                                "(loractl ps)")

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-POLICIES = ("batching", "first-come")
+POLICIES = ("batching", "adaptive", "first-come")
 DEFAULT_POLICY = "batching"
 DEFAULT_MAX_WAIT_S = 0.1  # bench/thrash_bench.py: 1 s let cold adapters starve and halved tokens/s
 # Wait-time histogram buckets (seconds): from "did not wait" to "starved".
@@ -107,8 +107,13 @@ class AdapterBatching:
     def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
         self.max_wait_s = max_wait_s
 
+    def bound(self) -> float:
+        """How long a request for an inactive adapter waits before an active one hands over."""
+        return self.max_wait_s
+
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
-        starving = [t for t in gate.queue if t.key not in gate.running and now - t.arrived >= self.max_wait_s]
+        bound = self.bound()
+        starving = [t for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound]
         if not starving and not gate.pins_waiting:
             return True
         # Someone has waited too long: the adapter quickest to drain (fewest requests in the
@@ -126,12 +131,49 @@ class AdapterBatching:
         if not waiting:
             return None
 
+        bound = self.bound()
+
         def priority(key: int) -> tuple:
             first = waiting[key][0].arrived
-            starved = now - first >= self.max_wait_s
+            starved = now - first >= bound
             return (not starved, first if starved else 0.0, -len(waiting[key]), first)
 
         return min(waiting, key=priority)
+
+
+class AdaptiveBatching(AdapterBatching):
+    """Batching whose hand-over bound is the measured cost of a hand-over (rent or buy).
+
+    A hand-over costs the waiter the drain: from the moment it starved (waited the bound) until
+    a place is free for it, while the adapter handing over finishes what it runs. Ski rental
+    says: wait (rent) as long as one such drain costs, then hand over (buy); a waiter then
+    waits about twice a drain at most, and never longer than under the fixed bound. So the
+    bound is the running mean of measured drains (EWMA, ``weight`` per sample) capped by
+    ``max_wait_s``; before any drain was measured it is ``max_wait_s``, which makes this policy
+    :class:`AdapterBatching` until the first hand-over. Short drains (few requests in the
+    engine, short outputs, a fast engine) give short waits; long ones leave ``max_wait_s`` in
+    charge. A drain is measured when a starved adapter gets its place: its oldest request's
+    wait past the bound then in force.
+    """
+
+    name = "adaptive"
+    weight = 0.2
+
+    def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
+        super().__init__(max_wait_s)
+        self.drain_s: float | None = None
+
+    def bound(self) -> float:
+        return self.max_wait_s if self.drain_s is None else min(self.max_wait_s, self.drain_s)
+
+    def next_adapter(self, gate: Gate, now: float) -> int | None:
+        bound = self.bound()
+        key = super().next_adapter(gate, now)
+        if key is not None:
+            drain = now - next(t.arrived for t in gate.queue if t.key == key) - bound
+            if drain >= 0:   # it starved, then waited this long for a place
+                self.drain_s = drain if self.drain_s is None else self.drain_s + self.weight * (drain - self.drain_s)
+        return key
 
 
 def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
@@ -139,6 +181,8 @@ def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
         return FirstCome()
     if name == "batching":
         return AdapterBatching(max_wait_s)
+    if name == "adaptive":
+        return AdaptiveBatching(max_wait_s)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
