@@ -9,6 +9,7 @@ real ``Store`` and GC on disk; the request races run a real daemon with a real e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +80,17 @@ class EngineDouble:
 
     async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
         await asyncio.sleep(0)
-        (self.pinned_device if device else self.pinned_host).add(engine_id)
+        if engine_id not in self.host:
+            return False
+        self.pinned_host.add(engine_id)     # vLLM's device pin pins in both tiers
+        if device:
+            self.pinned_device.add(engine_id)
         return True
 
-    async def unpin_adapter(self, engine_id: int) -> bool:
-        self.pinned_host.discard(engine_id)
+    async def unpin_adapter(self, engine_id: int, *, keep_host: bool = False) -> bool:
+        await asyncio.sleep(0)
+        if not keep_host:
+            self.pinned_host.discard(engine_id)
         self.pinned_device.discard(engine_id)
         return True
 
@@ -406,3 +413,73 @@ def test_a_pin_the_engine_refuses_is_an_error_and_gives_its_place_back(tmp_path)
             await tiers.pin("b", "device")                   # False twice
         assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
     asyncio.run(go())
+
+
+# -- a caller that goes away at every await of a pin change ----------------------------------------
+def _assert_pins_agree(tiers: Tiers) -> None:
+    """The records (state.json's pins and the id each holds), the gate's places and the
+    engine's pins say the same thing, and the caps hold."""
+    held = tiers.held_pins()
+    assert set(held) == set(tiers.state.pins) | set(tiers.state.device_pins), (held, tiers.state.pins)
+    device = {i for pin, i in held.values() if pin == "device"}
+    host = {i for pin, i in held.values() if pin == "host"}
+    assert tiers.gate.pinned == device, (tiers.gate.pinned, held)
+    assert tiers.engine.pinned_device == device, (tiers.engine.pinned_device, held)
+    assert tiers.engine.pinned_host == device | host, (tiers.engine.pinned_host, held)
+    assert len(tiers.state.device_pins) <= tiers.max_device_pins and len(tiers.state.pins) <= tiers.max_pins
+
+
+async def _new_revision(tiers: Tiers, name: str, engine_id: int) -> None:
+    tiers.resolver.refs[name] = _Ref(name, engine_id)
+
+
+# (setup, the change cancelled, what follows it): the setup and what follows are never cancelled.
+_CHANGES = {
+    "pin device": ([], lambda t: t.pin("a", "device")),
+    "host to device": ([lambda t: t.pin("a", "host")], lambda t: t.pin("a", "device")),
+    "device to host": ([lambda t: t.pin("a", "device")], lambda t: t.pin("a", "host")),
+    "new revision": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
+                     lambda t: t.repin("a", 1)),
+    "pin again after a refused move": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
+                                       lambda t: t.pin("a", "device")),
+    "unpin": ([lambda t: t.pin("a", "device")], lambda t: t.unpin("a")),
+    "shared content": ([lambda t: _new_revision(t, "b", 1), lambda t: t.pin("a", "device"),
+                        lambda t: t.pin("b", "host")], lambda t: t.unpin("b")),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_a_pin_change_cancelled_at_any_await_leaves_records_gate_and_engine_agreeing(tmp_path, change):
+    """A client that goes away (a deadline, Ctrl-C) at each successive await of a pin, unpin
+    or pin move: afterwards the records, the gate and the engine agree, and a pin of another
+    adapter then gets the places the caps promise. Before the fix a pin cancelled after the
+    engine pinned held its gate place and slot unrecorded (the storm's 'gate holds 2 of 2
+    places for pins'), and pinning a new revision again kept the old one pinned for good."""
+    setup, cancelled = _CHANGES[change]
+
+    async def go(steps: int) -> bool:
+        tiers = _tiers(tmp_path / f"{change}-{steps}", max_loras=2, max_cpu_loras=4)
+        for step in setup:
+            await step(tiers)
+        task = asyncio.ensure_future(cancelled(tiers))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        finished_first = task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(200):   # work a cancelled caller left to finish on its own
+            await asyncio.sleep(0)
+        _assert_pins_agree(tiers)
+        for name in list(tiers.pinned_names()):
+            await tiers.unpin(name)
+        _assert_pins_agree(tiers)
+        assert tiers.gate.free == 2 and tiers.engine.pinned_host == set()
+        await tiers.pin("c", "device")
+        _assert_pins_agree(tiers)
+        return finished_first
+
+    steps = 0
+    while not asyncio.run(go(steps)):   # every await of the change, then once past its end
+        steps += 1
+    assert steps > 3, "the change never awaited: nothing was tested"

@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from loractld.engine.client import Engine
     from loractld.store.pulls import Puller, PullEvent
     from loractld.store.disk import Store, StoredAdapter
-    from loractld.serving.tiers import EngineState, Tiers
+    from loractld.serving.residency import EngineState
+    from loractld.serving.tiers import Tiers
 
 _log = logging.getLogger("loractld.core")
 ROLES = ("system", "user", "assistant")
@@ -495,7 +496,7 @@ class Core:
                     _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
                     self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",
                                               reason="new revision"))
-                if not catalog.store.leases.held(previous.path) and \
+                if not catalog.store.leases.held(previous.path) and not self.tiers.holds_pin(old_id) and \
                         not await asyncio.to_thread(self._other_names_of, catalog, old_digest):
                     await self.engine.remove_adapter(old_id)
         finally:

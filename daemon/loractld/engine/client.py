@@ -452,8 +452,9 @@ class Engine:
         killpoints.reached("engine-pin")
         return pinned
 
-    async def unpin_adapter(self, engine_id: int) -> bool:
-        return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id,)))[0])
+    async def unpin_adapter(self, engine_id: int, *, keep_host: bool = False) -> bool:
+        """Unpin in both tiers, or (``keep_host``) leave a device pin for a host pin."""
+        return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id, keep_host)))[0])
 
     async def deactivate_adapter(self, engine_id: int) -> bool:
         """Leave the device slot, keep the host copy."""

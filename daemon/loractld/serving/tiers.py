@@ -32,8 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable
 
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.store.identity import AdapterRef, AdapterResolver
@@ -41,66 +40,9 @@ from loractld.serving.admission import Gate
 from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
 from loractld.serving.pins import PersistentState
+from loractld.serving.residency import EngineState, Residency, TierEngine, Usage
 
 _log = logging.getLogger("loractld.tiers")
-TIERS = ("device", "host", "disk")
-
-
-class TierEngine(Protocol):
-    async def lora_state(self, since: int = -1) -> dict: ...
-    async def add_adapter(self, adapter: AdapterRef) -> bool: ...
-    async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool: ...
-    async def unpin_adapter(self, engine_id: int) -> bool: ...
-    async def deactivate_adapter(self, engine_id: int) -> bool: ...
-    async def remove_adapter(self, engine_id: int) -> bool: ...
-
-
-@dataclass
-class Residency:
-    tier: str = "disk"
-    pinned: bool = False
-    slot: int = -1
-    host_bytes: int = 0
-    pin: str = ""           # "device", "host", or "" (not pinned)
-
-
-@dataclass
-class Usage:
-    requests: int = 0
-    last_used: float = 0.0
-    state: str = "ready"     # loading, ready, failed
-    error: str = ""
-
-
-@dataclass
-class EngineState:
-    host: list[int] = field(default_factory=list)
-    device: list[int] = field(default_factory=list)
-    slots: list[int | None] = field(default_factory=list)
-    pinned: set[int] = field(default_factory=set)
-    pinned_device: set[int] = field(default_factory=set)
-    host_bytes: dict[int, int] = field(default_factory=dict)
-    host_capacity: int = 0
-    device_capacity: int = 0
-
-    @classmethod
-    def from_worker(cls, raw: dict) -> EngineState:
-        return cls(host=list(raw.get("host", [])), device=list(raw.get("device", [])),
-                   slots=list(raw.get("slots", [])), pinned=set(raw.get("pinned_host", [])),
-                   pinned_device=set(raw.get("pinned_device", [])),
-                   host_bytes={int(k): int(v) for k, v in raw.get("host_bytes", {}).items()},
-                   host_capacity=int(raw.get("host_capacity", 0)), device_capacity=int(raw.get("device_capacity", 0)))
-
-    def residency(self, engine_id: int) -> Residency:
-        if engine_id in self.device:
-            tier = "device"
-        elif engine_id in self.host:
-            tier = "host"
-        else:
-            return Residency()
-        slot = self.slots.index(engine_id) if engine_id in self.slots else -1
-        pin = "device" if engine_id in self.pinned_device else "host" if engine_id in self.pinned else ""
-        return Residency(tier, bool(pin), slot, self.host_bytes.get(engine_id, 0), pin)
 
 
 class Tiers:
@@ -121,6 +63,8 @@ class Tiers:
         self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
         self._lock = asyncio.Lock()
         self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
+        self._claim_ids: dict[str, int] = {}  # name -> the engine id a pin in progress is for
+        self._finishing: set[asyncio.Task] = set()   # pin changes whose caller went away
         # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
         # what the name resolves to now. Unpins release this id, never a re-resolved one.
@@ -220,6 +164,10 @@ class Tiers:
         """Every pinned adapter, host and device."""
         return list(self.state.pins) + list(self.state.device_pins)
 
+    def held_pins(self) -> dict[str, tuple[str, int]]:
+        """name -> (pin, the engine id it holds), for every recorded pin applied in the engine."""
+        return {n: (self.state.pin_of(n), i) for n, i in self._pinned_ids.items()}
+
     def pin_of(self, name: str) -> str:
         return self.state.pin_of(name)
 
@@ -300,49 +248,62 @@ class Tiers:
 
         The caps are checked and a claim recorded with no await between (:meth:`_claim_pin`):
         of two pins racing for the last place, exactly one gets it, the other a clear error.
+        Until the engine is asked, a caller that goes away cancels the pin (its gate place goes
+        back); from then on the pin is finished and recorded whatever the caller does
+        (:meth:`_commit_pin`). A pin that held another revision, or the other tier, gives that up
+        once the new pin is recorded (:meth:`_settle_locked`).
         """
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
         lease = self._lease(adapter)
+        handed_over = False   # to the commit, which then releases the claim and the lease
         try:
-            current = self.state.pin_of(name)
-            self._claim_pin(name, to, current)
+            self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
             try:
                 await testhooks.pause("pin-claimed")
-                if current == "device" and to == "host":
-                    await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), "device")
-                # A place this call takes (not one the id holds already) goes back if the pin fails.
-                reserving = to == "device" and adapter.engine_id not in self.gate.pinned
                 if to == "device":
                     await self.gate.reserve(adapter.engine_id)
-                asked_engine = False
-                try:
-                    await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
-                    async with self._lock:
-                        asked_engine = True
-                        if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                            # Evicted again between the load and the pin (a step's lazy load): once more.
-                            await self.engine.add_adapter(adapter)
-                            if not await self.engine.pin_adapter(adapter.engine_id, device=to == "device"):
-                                raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
-                                                   "Retry; if it persists, see the daemon's log.")
-                except BaseException:
-                    if reserving:  # the place taken above goes back
-                        if asked_engine:
-                            await self._unpin_in_engine(adapter.engine_id, "device")
-                        else:
-                            self.gate.unreserve(adapter.engine_id)
-                    raise
-                async with self._lock:
-                    if current != to:
-                        self.state.set_pin(name, to)
-                    self._pinned_ids[name] = adapter.engine_id
-                    self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-                    return (await self.sync()).residency(adapter.engine_id)
-            finally:
-                del self._claims[name]
+                await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
+            except BaseException:
+                self._unclaim(name)
+                await self._to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
+                raise
+            handed_over = True
+            return await self._to_the_end(self._commit_pin(name, to, adapter, reason, lease))
         finally:
+            if not handed_over:
+                self._unclaim(name)
+                lease.release()
+
+    async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease) -> Residency:
+        """Pin in the engine and record the pin, under the lock: no other tier operation sees
+        the engine pinned and the records not, or the other way round."""
+        engine_id = adapter.engine_id
+        try:
+            async with self._lock:
+                try:
+                    if not await self.engine.pin_adapter(engine_id, device=to == "device"):
+                        # Evicted again between the load and the pin (a step's lazy load): once more.
+                        await self.engine.add_adapter(adapter)
+                        if not await self.engine.pin_adapter(engine_id, device=to == "device"):
+                            raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
+                                               "Retry; if it persists, see the daemon's log.")
+                except BaseException:
+                    self._unclaim(name)
+                    await self._settle_locked(engine_id)
+                    raise
+                previous, was = self._pinned_ids.get(name), self.state.pin_of(name)
+                if was != to:
+                    self.state.set_pin(name, to)
+                self._pinned_ids[name] = engine_id
+                self._unclaim(name)
+                self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
+                if previous is not None and (previous != engine_id or was != to):
+                    await self._settle_locked(previous)   # the old revision, or the device pin left for host
+                return (await self.sync()).residency(engine_id)
+        finally:
+            self._unclaim(name)
             lease.release()
 
     def _lease(self, adapter: AdapterRef):
@@ -358,9 +319,9 @@ class Tiers:
         try:
             yield
         finally:
-            del self._claims[name]
+            self._unclaim(name)
 
-    def _claim_pin(self, name: str, to: str, current: str) -> None:
+    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> None:
         """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
         other pin can check between. Counts recorded pins and claims of pins in progress."""
         if name in self._claims:
@@ -381,6 +342,55 @@ class Tiers:
                     f"are in use (max_loras - 1: other adapters need a slot)",
                     "Unpin one (loractl unpin NAME), pin it --to host, or restart with a larger --max-loras.")
         self._claims[name] = to
+        if engine_id is not None:
+            self._claim_ids[name] = engine_id
+
+    def _unclaim(self, name: str) -> None:
+        """Idempotent: the claim ends where the work ends, which may be after its caller left."""
+        self._claims.pop(name, None)
+        self._claim_ids.pop(name, None)
+
+    def holds_pin(self, engine_id: int) -> bool:
+        """Whether a name's pin, recorded or in progress, holds ``engine_id`` (which must then
+        stay in the engine)."""
+        return self._wanted(engine_id) != ""
+
+    def _wanted(self, engine_id: int) -> str:
+        """The pin the names want of ``engine_id``: "device", "host" or "". Names may share an
+        engine id (same content), and a name's pin may hold an older revision than it resolves
+        to, so this is asked of the records by id, never of one name."""
+        kinds = {self.state.pin_of(n) for n, i in self._pinned_ids.items() if i == engine_id}
+        kinds |= {t for n, t in self._claims.items() if self._claim_ids.get(n) == engine_id}
+        return "device" if "device" in kinds else "host" if "host" in kinds else ""
+
+    async def _settle(self, engine_id: int) -> None:
+        async with self._lock:
+            await self._settle_locked(engine_id)
+
+    async def _settle_locked(self, engine_id: int) -> None:
+        """Bring the engine's and the gate's pin of ``engine_id`` down to what the names want of
+        it: drop a device pin no name holds (keeping the host pin if one holds that), and the
+        host pin if none. The engine first, then the gate's place: in the other order the gate
+        could admit an adapter that the pinned slot leaves no room for. The caller holds the lock."""
+        want = self._wanted(engine_id)
+        if want == "device":
+            return
+        await self.engine.unpin_adapter(engine_id, keep_host=want == "host")
+        if self._wanted(engine_id) != "device":   # a device pin of it claimed meanwhile keeps the place
+            self.gate.unreserve(engine_id)
+
+    def _to_the_end(self, work: Awaitable):
+        """Await ``work`` so that a caller that goes away (a cancelled RPC) cannot stop it halfway:
+        a change to the engine's pins and to their records is made whole, never in part."""
+        task = asyncio.ensure_future(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finished)
+        return asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._finishing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.debug("a pin change ended with %r", task.exception())
 
     async def unpin(self, name: str) -> Residency:
         adapter = self.resolver.resolve(name)
@@ -388,42 +398,41 @@ class Tiers:
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
         self._claim_pin(name, "", current)
-        try:
-            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), current)
-            async with self._lock:
-                self.state.set_pin(name, "")
-                self.events.publish(Event("UNPINNED", name))
-                return (await self.sync()).residency(adapter.engine_id)
-        finally:
-            del self._claims[name]
+        return await self._to_the_end(self._commit_unpin(name, adapter.engine_id))
 
-    async def _unpin_in_engine(self, engine_id: int, pin: str) -> None:
-        """Unpin in the engine, then (device pins) give the gate's place back: in that order, or
-        the gate could admit an adapter that the pinned slot leaves no room for."""
-        async with self._lock:
-            await self.engine.unpin_adapter(engine_id)
-        if pin == "device":
-            self.gate.unreserve(engine_id)
+    async def _commit_unpin(self, name: str, engine_id: int) -> Residency:
+        try:
+            async with self._lock:
+                await self._drop_pin_locked(name, engine_id)
+                return (await self.sync()).residency(engine_id)
+        finally:
+            self._unclaim(name)
+
+    async def _drop_pin_locked(self, name: str, engine_id: int, reason: str = "") -> None:
+        """Record ``name`` unpinned, then settle the id its pin held (``engine_id`` if none is
+        recorded: a saved pin that was never applied)."""
+        held = self._pinned_ids.pop(name, engine_id)
+        self.state.set_pin(name, "")
+        self.events.publish(Event("UNPINNED", name, reason=reason))
+        await self._settle_locked(held)
 
     async def repin(self, name: str, old_id: int) -> None:
-        """A new revision of a pinned adapter was installed: move the pin over to it."""
+        """A new revision of a pinned adapter was installed: move the pin over to it (the old
+        revision's pin is given up once the new one is recorded)."""
         to = self.state.pin_of(name)
         if to:
             if name in self._claims:  # before anything moves: the pin stays on the old revision
                 raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                      f"Pin it again once that is done: loractl pin {name} --to {to}")
-            await self._unpin_in_engine(self._pinned_ids.pop(name, old_id), to)
+            self._pinned_ids.setdefault(name, old_id)
             await self.pin(name, to, reason="new revision")
 
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
-        """Before ``rm``: unpin and drop ``adapter`` from the engine. True if it was loaded.
-        ``unload`` False: another name has the same content (the same adapter in the engine),
-        which stays loaded."""
-        pin = self.state.pin_of(name)
-        if pin:
-            await self._unpin_in_engine(self._pinned_ids.pop(name, adapter.engine_id), pin)
-            self.state.set_pin(name, "")
-            self.events.publish(Event("UNPINNED", name, reason="rm"))
+        """Before ``rm`` (which holds the name's claim): unpin and drop ``adapter`` from the
+        engine. True if it was loaded. ``unload`` False: another name has the same content (the
+        same adapter in the engine), which stays loaded."""
+        if self.state.pin_of(name):
+            await self._to_the_end(self._unpin_for_rm(name, adapter.engine_id))
         if not unload:
             self.usage.pop(name, None)
             return False
@@ -435,6 +444,10 @@ class Tiers:
             self._reasons.clear()
             self.usage.pop(name, None)
             return removed
+
+    async def _unpin_for_rm(self, name: str, engine_id: int) -> None:
+        async with self._lock:
+            await self._drop_pin_locked(name, engine_id, reason="rm")
 
     def fit_saved_pins(self) -> list[str]:
         """Drop the saved pins beyond the caps (after a restart with a lower --max-loras or

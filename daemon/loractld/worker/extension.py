@@ -162,13 +162,16 @@ def loractl_pin_device(self, lora_id: int) -> bool:
     return True
 
 
-def loractl_unpin(self, lora_id: int) -> bool:
-    """Unpin an adapter in both tiers (vLLM has pin_lora but no unpin)."""
+def loractl_unpin(self, lora_id: int, keep_host: bool = False) -> bool:
+    """Unpin an adapter in both tiers (vLLM has pin_lora but no unpin), or (``keep_host``) in
+    the device tier only: one call, so no step can evict it from host RAM between an unpin and
+    a new host pin."""
     mgr = _manager(self)
     if mgr is None:
         return False
     changed = False
-    for cache in (mgr._registered_adapters, mgr._active_adapters):
+    caches = (mgr._active_adapters,) if keep_host else (mgr._registered_adapters, mgr._active_adapters)
+    for cache in caches:
         if lora_id in cache.pinned_items:
             cache._unpin(lora_id)
             changed = True
