@@ -109,11 +109,11 @@ def sub_home(home: Path, sub: str) -> Path:
     return root
 
 
-def own_daemon(home: Path, sub: str, adapters: list[str], name: str = "d") -> Daemon:
-    """A daemon of its own under ``home/sub`` (:func:`sub_home`), with these demo adapters pulled
-    under their own names: for modules that pin or remove, whose state must not leak into the
-    session daemon's."""
-    d = start_daemon(sub_home(home, sub), name=name)
+def own_daemon(home: Path, sub: str, adapters: list[str], *extra: str, name: str = "d") -> Daemon:
+    """A daemon of its own under ``home/sub`` (:func:`sub_home`), started with ``extra`` flags,
+    with these demo adapters pulled under their own names: for modules that pin or remove, whose
+    state must not leak into the session daemon's."""
+    d = start_daemon(sub_home(home, sub), *extra, name=name)
     for adapter in adapters:
         result = run_cli("pull", str(home / "tiny" / "adapters" / adapter), "--name", adapter, "--socket", str(d.socket))
         assert result.returncode == 0, result.stderr

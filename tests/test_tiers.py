@@ -13,16 +13,20 @@ import pytest
 
 from adapter_factory import edit_config, good
 from conftest import collect, own_daemon, run_cli, start_daemon
+from loractld.serving.admission import DEFAULT_MAX_WAIT_S
 from test_errors import assert_one_error
 from vllm_lru_model import VllmTiers
 
 NAMES = ["sql-expert/v1", "python-expert/v1", "poet/v1", "translator/v1"]
+POLICY = ("--admission", "adaptive")
 
 
 @pytest.fixture(scope="module")
 def tiered(home):
-    """A daemon of its own: pins persist, so this module must not share state with others."""
-    d = own_daemon(home, "tiers", NAMES, name="t")
+    """A daemon of its own: pins persist, so this module must not share state with others. It
+    runs the opt-in ``--admission adaptive`` policy, so that a real engine drives it too (the
+    session daemon runs the default, batching); every answer here is checked all the same."""
+    d = own_daemon(home, "tiers", NAMES, *POLICY, name="t")
     yield d
     d.stop()
 
@@ -177,8 +181,8 @@ def test_pins_and_preload_survive_a_restart(tiered, home):
     tiered.stop()
     edit_config(good(home / "tiny", tiered.home / "adapters" / "handmade-pissa" / "v1", name="handmade-pissa"),
                 init_lora_weights="pissa")
-    d = start_daemon(tiered.home, "--preload", NAMES[0], "--preload", "no-such/v1", "--preload", "handmade-pissa/v1",
-                     name="t")
+    d = start_daemon(tiered.home, *POLICY, "--preload", NAMES[0], "--preload", "no-such/v1",
+                     "--preload", "handmade-pissa/v1", name="t")
     tiered.proc, tiered.log = d.proc, d.log
     listed = listing(d)
     assert (listed[NAMES[1]]["tier"], listed[NAMES[1]]["pin"]) in {("device", "host"), ("host", "host")}
@@ -339,6 +343,9 @@ def test_a_pin_never_blocks_a_step_of_other_adapters(tiered, home, reference, to
             assert waited and {e["adapter"] for e in waited} <= {NAMES[1], NAMES[2]}
             assert queued_seen and all(r["position"] >= 1 and r["adapter"] in NAMES[1:3] for r in queued_seen)
             assert status["admission"]["pinned"] == 1 and status["admission"]["places"] == 2
+            # Adaptive: batching until its first hand-over, then the measured drain; never above the cap.
+            assert status["admission"]["policy"] == "adaptive"
+            assert 0 < status["admission"]["max_wait_s"] <= DEFAULT_MAX_WAIT_S, status["admission"]
             text = cli(tiered, "metrics").stdout
             assert 'loractl_admission_wait_seconds_count{adapter="' in text
             assert "loractl_admission_queue_depth" in text
