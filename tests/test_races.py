@@ -95,14 +95,16 @@ class EngineDouble:
         return True
 
     async def deactivate_adapter(self, engine_id: int) -> bool:
-        if engine_id in self.device:
+        if engine_id in self.device:   # vLLM's LRU cache drops a pin with its entry, silently
             self.device.remove(engine_id)
+            self.pinned_device.discard(engine_id)
         return True
 
     async def remove_adapter(self, engine_id: int) -> bool:
         await self.deactivate_adapter(engine_id)
         if engine_id in self.host:
             self.host.remove(engine_id)
+            self.pinned_host.discard(engine_id)
         return True
 
 
@@ -483,3 +485,26 @@ def test_a_pin_change_cancelled_at_any_await_leaves_records_gate_and_engine_agre
     while not asyncio.run(go(steps)):   # every await of the change, then once past its end
         steps += 1
     assert steps > 3, "the change never awaited: nothing was tested"
+
+
+@pytest.mark.parametrize("command", ["load b --to host", "evict b --from device"])
+def test_no_command_takes_a_device_pinned_adapter_off_the_device_through_another_name(tmp_path, command):
+    """"b" has the same content as "a" (one engine id), and "a" is pinned to the device: taking
+    "b" off the device would take "a" too, and vLLM drops a deactivated adapter's pin without a
+    word (the gate kept the place; ls no longer showed the pin). Refused in one line, naming
+    the pin to undo; after "a" is unpinned the command works."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        tiers.resolver.refs["b"] = _Ref("b", 1)
+        await tiers.pin("a", "device")
+        run = (lambda: tiers.load("b", "host")) if command.startswith("load") else (lambda: tiers.evict("b", "device"))
+        with pytest.raises(InvalidRequest, match="same content as 'a', which is pinned to the device") as refused:
+            await run()
+        assert refused.value.hint == "To " + ("move it to host RAM" if command.startswith("load") else "evict it") + \
+            ", unpin that first: loractl unpin a"
+        _assert_pins_agree(tiers)
+        assert tiers.engine.pinned_device == {1} and 1 in tiers.engine.device
+        await tiers.unpin("a")
+        assert (await run()).tier == "host"
+        _assert_pins_agree(tiers)
+    asyncio.run(go())

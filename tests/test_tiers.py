@@ -207,6 +207,31 @@ def test_tier_errors(tiered):
     cli(tiered, "unpin", NAMES[0])
 
 
+def test_a_device_pin_holds_against_commands_on_another_name_of_the_same_content(tiered, home):
+    """A second name for a device-pinned adapter's files is the same adapter in the engine:
+    loading it to host RAM or evicting it from the device would drop the pin in vLLM (its LRU
+    cache unpins what it deactivates) while the gate kept the place. Refused in one line that
+    names the pin; the pin, its place and the engine's pin stay; after the unpin both work."""
+    twin = "twin/v1"
+    cli(tiered, "pull", str(home / "tiny" / "adapters" / NAMES[0]), "--name", twin)
+    cli(tiered, "pin", NAMES[0], "--to", "device")
+    try:
+        for args in (("load", twin, "--to", "host"), ("evict", twin, "--from", "device")):
+            assert_one_error(run_cli(*args, "--socket", str(tiered.socket)), 2,
+                             f"same content as '{NAMES[0]}', which is pinned to the device", f"loractl unpin {NAMES[0]}")
+        listed = listing(tiered)
+        assert (listed[NAMES[0]]["tier"], listed[NAMES[0]]["pin"]) == ("device", "device")
+        assert (listed[twin]["tier"], listed[twin]["pin"]) == ("device", "device")  # the engine's pin, by content
+        status = json.loads(cli(tiered, "status", "--json").stdout)
+        assert (status["capacity"]["device_pins"], status["admission"]["pinned"]) == (1, 1)
+    finally:
+        cli(tiered, "unpin", NAMES[0])
+    assert listing(tiered)[twin]["tier"] == "device"
+    assert json.loads(cli(tiered, "load", twin, "--to", "host", "--json").stdout)["tier"] == "host"
+    cli(tiered, "rm", twin)
+    assert json.loads(cli(tiered, "status", "--json").stdout)["admission"]["pinned"] == 0
+
+
 def test_tier_changes_during_streams_never_change_outputs(tiered, home, reference):
     """Loads, evictions, pins and a refused rm while three generations stream: every output
     still equals its reference, and a request for a missing adapter fails alone."""

@@ -403,6 +403,7 @@ class Core:
                 # Another name with the same content is the same adapter in the engine: keep it there.
                 shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
                 unloaded = await tiers.forget(name, ref, unload=not shared)
+                catalog.resolver.relabel(name, ref.engine_id, shared)
         self.events.publish(Event("DELETED_FROM_DISK", name))
         _log.info("removed %s (%s)", name, removed.path)
         return RemovedView(AdapterView.of(removed), unloaded)

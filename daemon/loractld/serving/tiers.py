@@ -190,6 +190,8 @@ class Tiers:
             if to == "host" and self.state.pin_of(name) == "device":
                 raise _pinned_to_device(name, "move it to host RAM")
             async with self._lock:
+                if to == "host":
+                    self._refuse_if_held_on_device(name, adapter.engine_id, "move it to host RAM")
                 usage = self.usage.setdefault(name, Usage())
                 usage.state, usage.error = "loading", ""
                 before = self._last.residency(adapter.engine_id)
@@ -226,6 +228,8 @@ class Tiers:
         if self.state.pin_of(name) == "device":
             raise _pinned_to_device(name, "evict it")
         async with self._lock:
+            if source == "device":
+                self._refuse_if_held_on_device(name, adapter.engine_id, "evict it")
             current = (await self.sync()).residency(adapter.engine_id)
             if current.pinned and source == "host":
                 raise InvalidRequest(f"{name!r} is pinned in host RAM", f"Unpin it first: loractl unpin {name}")
@@ -239,6 +243,22 @@ class Tiers:
             state = await self.sync()
             self._reasons.clear()
             return state.residency(adapter.engine_id)
+
+    def _refuse_if_held_on_device(self, name: str, engine_id: int, action: str) -> None:
+        """Refuse to take ``engine_id`` off the device while a device pin holds it: vLLM drops a
+        pinned adapter's pin without a word when it is deactivated, and the gate would keep its
+        place for a pin the engine no longer has. The pin may be another name's (the same
+        content), or in progress. Called under the lock, which every pin's commit takes."""
+        if self._wanted(engine_id) != "device":
+            return
+        holders = sorted(n for n, i in self._pinned_ids.items() if i == engine_id and self.state.pin_of(n) == "device")
+        if name in holders:
+            raise _pinned_to_device(name, action)
+        if holders:
+            raise InvalidRequest(f"{name!r} has the same content as {holders[0]!r}, which is pinned to the device",
+                                 f"To {action}, unpin that first: loractl unpin {holders[0]}")
+        raise InvalidRequest(f"{name!r} is being pinned to the device by another command",
+                             "Wait for it to finish, then retry.")
 
     async def pin(self, name: str, to: str = "host", *, reason: str = "explicit") -> Residency:
         """Pin ``name`` in host RAM or in a device slot, for good (until unpinned); persisted.

@@ -112,6 +112,15 @@ class AdapterResolver:
         """The name an engine id was last resolved from (for events and listings)."""
         return self._labels.get(engine_id)
 
+    def relabel(self, removed: str, engine_id: int, others: list[str]) -> None:
+        """``removed`` is gone: an id labelled by it takes another name of the same content, if
+        any (events must not name an adapter that no longer exists)."""
+        if self._labels.get(engine_id) == removed:
+            if others:
+                self._labels[engine_id] = others[0]
+            else:
+                del self._labels[engine_id]
+
     def _facts_for(self, digest: str, path: Path, forced: bool = False) -> AdapterFacts:
         key = (digest, forced)
         if key not in self._facts:
