@@ -7,8 +7,9 @@ here, with its own daemon, for docs/reliability.md).
 Clients generate (short prompts and one over 2,048 characters, streamed to the end or cancelled
 after the first chunk), while an operator pulls, re-pulls a new revision under the same name,
 ``rm --force``es, loads, evicts, pins and unpins (host and device) over ``--names`` names whose
-content is drawn from the demo adapters. Afterwards: the engine is alive, no request took longer
-than ``--bound`` seconds, ``ls`` lists exactly the store's names, the engine's residency and pins
+content is drawn from the demo adapters, and gives up a fifth of those commands at a random
+moment within their first 50 ms (``--abandon``: the client cancels the call). Afterwards: the
+engine is alive, no request took longer than ``--bound`` seconds, ``ls`` lists exactly the store's names, the engine's residency and pins
 stay within their caps, nothing is left in the store's temporaries or unreferenced in .objects/,
 and every answer (tokens and the content it ran with, from the reply's adapter identity) equals
 the HF + PEFT reference; a cancelled answer is a prefix of it.
@@ -62,8 +63,10 @@ class Report:
 
 
 async def storm(socket: str, folders: list[Path], *, names: list[str], seconds: float, seed: int,
-                clients: int = 3, bound: float = 60.0) -> Report:
-    """Run the storm against the daemon on ``socket``; return what happened (answers unchecked)."""
+                clients: int = 3, bound: float = 60.0, abandon: float = 0.2, abandon_window: float = 0.05) -> Report:
+    """Run the storm against the daemon on ``socket``; return what happened (answers unchecked).
+    A share ``abandon`` of the commands is given up by its client after a random time of up to
+    ``abandon_window`` seconds."""
     from loractl import Client
     from loractl.errors import LoractlError
 
@@ -109,24 +112,37 @@ async def storm(socket: str, folders: list[Path], *, names: list[str], seconds: 
             while time.monotonic() < end:
                 await generate(client)
 
+    async def run_op(client: Client, op: str, name: str) -> None:
+        if op in ("pull", "re-pull"):
+            async for _ in client.pull(str(rng.choice(folders)), name=name):
+                pass
+        elif op == "rm":
+            await client.remove(name, force=True)
+        elif op.startswith("load"):
+            await client.load(name, to=op.split()[1])
+        elif op.startswith("evict"):
+            await client.evict(name, source=op.split()[1])
+        elif op.startswith("pin"):
+            await client.pin(name, to=op.split()[1])
+        else:
+            await client.unpin(name)
+
     async def operate(client: Client) -> None:
         name = rng.choice(names)
         op = rng.choice(["pull", "re-pull", "rm", "load device", "load host", "evict device", "evict host",
                          "pin host", "pin device", "unpin", "unpin"])
+        # The client goes away at a random moment (a deadline, Ctrl-C): whatever the daemon had
+        # begun must end whole, or be undone.
+        abandon_after = rng.random() * abandon_window if rng.random() < abandon else None
         try:
-            if op in ("pull", "re-pull"):
-                async for _ in client.pull(str(rng.choice(folders)), name=name):
-                    pass
-            elif op == "rm":
-                await client.remove(name, force=True)
-            elif op.startswith("load"):
-                await client.load(name, to=op.split()[1])
-            elif op.startswith("evict"):
-                await client.evict(name, source=op.split()[1])
-            elif op.startswith("pin"):
-                await client.pin(name, to=op.split()[1])
+            if abandon_after is None:
+                await run_op(client, op, name)
             else:
-                await client.unpin(name)
+                try:
+                    await asyncio.wait_for(run_op(client, op, name), abandon_after)
+                except asyncio.TimeoutError:
+                    report.operations[f"{op}: abandoned"] += 1
+                    return
             report.operations[f"{op}: ok"] += 1
         except LoractlError as e:
             report.operations[f"{op}: {e.kind}"] += 1
@@ -144,6 +160,7 @@ async def storm(socket: str, folders: list[Path], *, names: list[str], seconds: 
 
     await asyncio.gather(*(generator() for _ in range(clients)), operator(), operator())
     report.seconds = time.monotonic() - began
+    await asyncio.sleep(1.0)   # what abandoned commands left to finish on their own
     if report.latencies and max(report.latencies) > bound:
         report.failures.append(f"a request took {max(report.latencies):.1f} s (bound {bound} s)")
     report.failures += await check_after(socket)
@@ -224,6 +241,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--bound", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=22)
+    p.add_argument("--abandon", type=float, default=0.2, help="the share of commands cancelled midway")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -241,7 +259,7 @@ def main() -> int:
     names = [f"storm/{chr(ord('a') + i)}" for i in range(args.names)]
     try:
         report = asyncio.run(storm(str(daemon.socket), folders, names=names, seconds=args.seconds, seed=args.seed,
-                                   clients=args.clients, bound=args.bound))
+                                   clients=args.clients, bound=args.bound, abandon=args.abandon))
     finally:
         daemon.stop()
     wrong = check_answers(report, Reference(tiny / "model"))

@@ -1,6 +1,7 @@
 """A bounded concurrency storm on the shared rig (bench/storm.py, where a longer run lives): random
 generations (short and over 2,048 characters, streamed and cancelled midway), pulls, re-pulls of
-a new revision, rm --force, load, evict, pin and unpin both ways over three names; afterwards the
+a new revision, rm --force, load, evict, pin and unpin both ways over three names, a fifth of
+those commands abandoned by their client at a random moment; afterwards the
 engine is alive, no request waited past the bound, ls equals the store, residency and pins are
 within their caps, nothing is left in the store's temporaries, and every answer equals the
 HF + PEFT reference for the content it ran with."""
@@ -34,4 +35,5 @@ def test_storm_of_commands_and_requests(rig, reference):
     assert report.requests["of which over 2,048 characters"] >= 1, summary
     for kind in ("pull", "rm", "pin host", "pin device", "unpin", "load device", "evict host"):
         assert any(op.startswith(kind) for op in report.operations), (kind, summary)
+    assert any(op.endswith(": abandoned") for op in report.operations), summary
     assert storm.check_answers(report, reference) == []
