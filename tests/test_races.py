@@ -508,3 +508,86 @@ def test_no_command_takes_a_device_pinned_adapter_off_the_device_through_another
         assert (await run()).tier == "host"
         _assert_pins_agree(tiers)
     asyncio.run(go())
+
+
+# -- two names of the same content pinned to the device at once ------------------------------------
+async def _full_gate_and_two_twin_pins(tiers: Tiers):
+    """Every place taken by a request of another adapter (5, 6, 7), then "a" and "b" (the same
+    content: engine id 1) both pinned to the device: both wait for a place."""
+    tiers.resolver.refs["b"] = _Ref("b", 1)
+    running = [await tiers.gate.enter(key, f"x{key}") for key in (5, 6, 7)]
+    pin_a = asyncio.ensure_future(tiers.pin("a", "device"))
+    await asyncio.sleep(0)
+    pin_b = asyncio.ensure_future(tiers.pin("b", "device"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not pin_a.done() and not pin_b.done() and tiers.gate.pins_waiting
+    return running, pin_a, pin_b
+
+
+def test_a_device_pin_of_content_already_pinned_takes_no_second_place(tmp_path):
+    """"a" and "b" have the same content (one engine id, one gate place). Both device pins wait
+    for a full gate; when one place frees, both go (the second takes no place). Before the fix
+    "b" waited for a second free place it would never take, and while it waited no request of
+    an unpinned adapter was admitted: every running adapter had to drain first."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=3, max_cpu_loras=5)
+        running, pin_a, pin_b = await _full_gate_and_two_twin_pins(tiers)
+        tiers.gate.finish(running[0])                 # one place frees
+        await asyncio.wait_for(asyncio.gather(pin_a, pin_b), timeout=5)
+        assert not tiers.gate.pins_waiting and tiers.gate.pinned == {1} and tiers.gate.free == 0
+        _assert_pins_agree(tiers)
+        joined = asyncio.ensure_future(tiers.gate.enter(6, "x6"))   # an active adapter takes requests again
+        await asyncio.sleep(0)
+        assert joined.done()
+    asyncio.run(go())
+
+
+def test_a_cancelled_twin_device_pin_leaves_the_other_names_place(tmp_path):
+    """"a" and "b" (one engine id) both wait for a device place; two places free in one loop
+    turn, which grants both, and "b"'s caller goes away in that same turn. Before the fix the
+    gate gave the place back for "b"'s cancel although "a"'s pin holds it: the engine pinned
+    id 1 in a slot the gate no longer counted, so the gate could admit max_loras unpinned
+    adapters next to it (a step then evicts one of its own adapters and vLLM dies)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=3, max_cpu_loras=5)
+        running, pin_a, pin_b = await _full_gate_and_two_twin_pins(tiers)
+        tiers.gate.finish(running[0])
+        tiers.gate.finish(running[1])
+        pin_b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pin_b
+        await asyncio.wait_for(pin_a, timeout=5)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+        assert tiers.gate.used == 2                    # the pin and adapter 7: one place for one more
+    asyncio.run(go())
+
+
+def test_rm_keeps_an_engine_id_that_another_names_pin_holds(tmp_path):
+    """"a" and "b" had the same content (engine id 1); "b" was pinned to the device while a new
+    revision of it landed, so its pin holds the old content, id 1 (the pull reports 'pin not
+    moved'). ``rm a`` finds no other name of that content and unloads id 1: before the fix the
+    engine dropped the pin with the entry (vLLM does so silently), while the records and the
+    gate kept it (a place held for a pin the engine no longer has)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        tiers.resolver.refs["b"] = _Ref("b", 1)
+        with testhooks.armed("pin-claimed") as point:
+            pin = asyncio.ensure_future(tiers.pin("b", "device"))
+            await point.until_reached()
+            tiers.resolver.refs["b"] = _Ref("b", 9)      # b's new revision
+            point.release()
+            await pin
+        assert tiers.held_pins() == {"b": ("device", 1)}
+        with tiers.claimed("a"):                          # what core.remove does, "a" gone from disk
+            unloaded = await tiers.forget("a", _Ref("a", 1), unload=True)
+        assert not unloaded
+        _assert_pins_agree(tiers)
+        assert 1 in tiers.engine.host
+        await tiers.unpin("b")
+        _assert_pins_agree(tiers)
+        assert tiers.gate.free == 2
+    asyncio.run(go())

@@ -283,7 +283,8 @@ class Tiers:
             try:
                 await testhooks.pause("pin-claimed")
                 if to == "device":
-                    await self.gate.reserve(adapter.engine_id)
+                    # Given back by the settle below if cancelled: another name may share the place.
+                    await self.gate.reserve(adapter.engine_id, give_back=False)
                 await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
             except BaseException:
                 self._unclaim(name)
@@ -450,13 +451,18 @@ class Tiers:
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
         """Before ``rm`` (which holds the name's claim): unpin and drop ``adapter`` from the
         engine. True if it was loaded. ``unload`` False: another name has the same content (the
-        same adapter in the engine), which stays loaded."""
+        same adapter in the engine), which stays loaded. So does an id another name's pin holds:
+        a pin that stayed on an old revision may hold this content with no other name of it on
+        disk, and vLLM drops a removed entry's pin without a word."""
         if self.state.pin_of(name):
             await self._to_the_end(self._unpin_for_rm(name, adapter.engine_id))
         if not unload:
             self.usage.pop(name, None)
             return False
         async with self._lock:
+            if self.holds_pin(adapter.engine_id):   # asked under the lock: no pin commits meanwhile
+                self.usage.pop(name, None)
+                return False
             for tier in ("host", "device"):
                 self._reasons[(adapter.engine_id, tier)] = "rm"
             removed = await self.engine.remove_adapter(adapter.engine_id)
