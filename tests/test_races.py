@@ -591,3 +591,57 @@ def test_rm_keeps_an_engine_id_that_another_names_pin_holds(tmp_path):
         _assert_pins_agree(tiers)
         assert tiers.gate.free == 2
     asyncio.run(go())
+
+
+def test_a_host_pin_moved_to_a_new_revision_never_holds_one_host_pin_over_the_cap(tmp_path):
+    """"a" is pinned in host RAM with every host pin place taken (max_cpu_loras - max_loras = 1);
+    a new revision of it lands and the pin moves over. Host pins are capped so that a step of
+    max_loras unpinned adapters always finds room in RAM next to them; before the fix the new
+    revision was pinned while the old one still was (two host pins, one over the cap) for at
+    least one engine call, during which such a step must evict one of its own adapters."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine, most = tiers.engine, []
+        real_pin = engine.pin_adapter
+
+        async def pin_adapter(engine_id, *, device=False):
+            answer = await real_pin(engine_id, device=device)
+            most.append(len(engine.pinned_host - engine.pinned_device))
+            return answer
+        engine.pin_adapter = pin_adapter
+        await tiers.pin("a", "host")
+        await _new_revision(tiers, "a", 9)
+        await tiers.repin("a", 1)
+        assert tiers.held_pins() == {"a": ("host", 9)}
+        _assert_pins_agree(tiers)
+        assert max(most) <= tiers.max_pins, most
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("old", ["still loaded", "gone too"])
+def test_a_host_pin_whose_move_to_a_new_revision_fails_stays_on_the_old_one_or_ends(tmp_path, old):
+    """The host pin gives up the old revision first (above); when the engine then refuses to pin
+    the new one, the old one is pinned again, and if the engine no longer holds it either the
+    name is recorded unpinned, with an event: records, gate and engine agree either way."""
+    from loractl.errors import LoractlError
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine = tiers.engine
+        real_pin = engine.pin_adapter
+        await tiers.pin("a", "host")
+        await _new_revision(tiers, "a", 9)
+
+        async def pin_adapter(engine_id, *, device=False):
+            if engine_id == 9:
+                if old == "gone too":
+                    await engine.remove_adapter(1)
+                return False
+            return await real_pin(engine_id, device=device)
+        engine.pin_adapter = pin_adapter
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.repin("a", 1)
+        _assert_pins_agree(tiers)
+        assert tiers.held_pins() == ({"a": ("host", 1)} if old == "still loaded" else {})
+        assert PersistentState(tmp_path / "state.json").pin_of("a") == ("host" if old == "still loaded" else "")
+    asyncio.run(go())

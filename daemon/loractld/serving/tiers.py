@@ -303,7 +303,16 @@ class Tiers:
         engine_id = adapter.engine_id
         try:
             async with self._lock:
+                previous, was = self._pinned_ids.get(name), self.state.pin_of(name)
+                # A host pin moving to another id (a new revision) gives the old one up first: with
+                # both pinned for an engine call, host pins are one over their cap, and a step of
+                # max_loras unpinned adapters must evict one of its own. (A device pin's move is
+                # covered by the second gate place it reserved; a move between tiers by the caps.)
+                release_first = to == was == "host" and previous is not None and previous != engine_id
                 try:
+                    if release_first:
+                        del self._pinned_ids[name]
+                        await self._settle_locked(previous)
                     if not await self.engine.pin_adapter(engine_id, device=to == "device"):
                         # Evicted again between the load and the pin (a step's lazy load): once more.
                         await self.engine.add_adapter(adapter)
@@ -313,19 +322,30 @@ class Tiers:
                 except BaseException:
                     self._unclaim(name)
                     await self._settle_locked(engine_id)
+                    if release_first and name not in self._pinned_ids:
+                        await self._restore_host_pin(name, previous)
                     raise
-                previous, was = self._pinned_ids.get(name), self.state.pin_of(name)
                 if was != to:
                     self.state.set_pin(name, to)
                 self._pinned_ids[name] = engine_id
                 self._unclaim(name)
                 self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-                if previous is not None and (previous != engine_id or was != to):
+                if previous is not None and (previous != engine_id or was != to) and not release_first:
                     await self._settle_locked(previous)   # the old revision, or the device pin left for host
                 return (await self.sync()).residency(engine_id)
         finally:
             self._unclaim(name)
             lease.release()
+
+    async def _restore_host_pin(self, name: str, engine_id: int) -> None:
+        """A host pin's move to a new revision failed after the old one was given up: pin the old
+        one again; if the engine no longer holds it, the name is recorded unpinned (one event)."""
+        if await self.engine.pin_adapter(engine_id, device=False):
+            self._pinned_ids[name] = engine_id
+            return
+        self.state.set_pin(name, "")
+        self.events.publish(Event("UNPINNED", name, reason="new revision",
+                                  message="the old revision left host RAM while the pin moved to the new one, which failed"))
 
     def _lease(self, adapter: AdapterRef):
         """Lease ``adapter``'s folder while an operation may load it into the engine: an ``rm`` or
