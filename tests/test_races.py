@@ -444,6 +444,8 @@ _CHANGES = {
                      lambda t: t.repin("a", 1)),
     "pin again after a refused move": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
                                        lambda t: t.pin("a", "device")),
+    "host pin, new revision": ([lambda t: t.pin("a", "host"), lambda t: _new_revision(t, "a", 9)],
+                               lambda t: t.repin("a", 1)),
     "unpin": ([lambda t: t.pin("a", "device")], lambda t: t.unpin("a")),
     "shared content": ([lambda t: _new_revision(t, "b", 1), lambda t: t.pin("a", "device"),
                         lambda t: t.pin("b", "host")], lambda t: t.unpin("b")),
