@@ -647,3 +647,75 @@ def test_a_host_pin_whose_move_to_a_new_revision_fails_stays_on_the_old_one_or_e
         assert tiers.held_pins() == ({"a": ("host", 1)} if old == "still loaded" else {})
         assert PersistentState(tmp_path / "state.json").pin_of("a") == ("host" if old == "still loaded" else "")
     asyncio.run(go())
+
+
+# -- a name's claim belongs to the command that took it --------------------------------------------
+def test_a_pin_refused_as_busy_leaves_the_claim_of_the_pin_in_progress(tmp_path):
+    """``pin a`` waits (here: held between its claim and the gate); the user runs it again, which
+    is refused as busy. Before the fix the refused pin's clean-up dropped the first pin's claim:
+    the caps no longer counted it, so ``pin b`` took the last device-pin place too, and both
+    pins ended recorded (2 device pins of at most 1: every place of the gate pinned, no
+    unpinned adapter could run again); an rm could have run in the middle of it as well."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        with testhooks.armed("pin-claimed") as point:
+            first = asyncio.ensure_future(tiers.pin("a", "device"))
+            await point.until_reached()
+            with pytest.raises(InvalidRequest, match="busy with another command"):
+                await tiers.pin("a", "device")             # the same command, run again
+            with pytest.raises(InvalidRequest, match="busy with another command"):
+                with tiers.claimed("a"):                    # rm
+                    pass
+            b = asyncio.ensure_future(tiers.pin("b", "device"))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            point.release()
+            await asyncio.wait_for(first, timeout=5)
+            with contextlib.suppress(InvalidRequest):
+                await asyncio.wait_for(b, timeout=5)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+        assert tiers.gate.free == 1
+    asyncio.run(go())
+
+
+def test_a_pin_run_again_while_the_cancelled_one_gives_its_place_back_keeps_its_claim(tmp_path):
+    """Ctrl-C on ``pin a --to device`` while it loads, and the user runs it again at once: the
+    new pin claims the name while the cancelled one is still giving its gate place back (that
+    waits for the tiers' lock). Before the fix the cancelled pin's clean-up then dropped the
+    new pin's claim, and a pin of "b" got past the device-pin cap while "a"'s was in flight."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine = tiers.engine
+        real_add, real_pin = engine.add_adapter, engine.pin_adapter
+        adding, pinning = asyncio.Event(), asyncio.Event()
+        hold_add, hold_pin = asyncio.Event(), asyncio.Event()
+
+        async def add_adapter(adapter):
+            if not adding.is_set():                     # the first pin's load: held, then cancelled
+                adding.set()
+                await hold_add.wait()
+            return await real_add(adapter)
+
+        async def pin_adapter(engine_id, *, device=False):
+            pinning.set()
+            await hold_pin.wait()
+            return await real_pin(engine_id, device=device)
+        engine.add_adapter, engine.pin_adapter = add_adapter, pin_adapter
+        first = asyncio.ensure_future(tiers.pin("a", "device"))
+        await adding.wait()
+        first.cancel()
+        again = asyncio.ensure_future(tiers.pin("a", "device"))
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(pinning.wait(), timeout=5)   # the new pin commits, under the lock
+        b = asyncio.ensure_future(tiers.pin("b", "device"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        hold_pin.set()
+        await asyncio.wait_for(again, timeout=5)
+        with contextlib.suppress(InvalidRequest):
+            await asyncio.wait_for(b, timeout=5)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+    asyncio.run(go())

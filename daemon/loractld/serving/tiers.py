@@ -64,6 +64,7 @@ class Tiers:
         self._lock = asyncio.Lock()
         self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
         self._claim_ids: dict[str, int] = {}  # name -> the engine id a pin in progress is for
+        self._claim_owners: dict[str, object] = {}  # name -> the token of the command holding its claim
         self._finishing: set[asyncio.Task] = set()   # pin changes whose caller went away
         # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
@@ -277,9 +278,13 @@ class Tiers:
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
         lease = self._lease(adapter)
+        try:
+            claim = self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
+        except BaseException:
+            lease.release()
+            raise
         handed_over = False   # to the commit, which then releases the claim and the lease
         try:
-            self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
             try:
                 await testhooks.pause("pin-claimed")
                 if to == "device":
@@ -287,17 +292,18 @@ class Tiers:
                     await self.gate.reserve(adapter.engine_id, give_back=False)
                 await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
             except BaseException:
-                self._unclaim(name)
+                self._unclaim(name, claim)
                 await self._to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
                 raise
             handed_over = True
-            return await self._to_the_end(self._commit_pin(name, to, adapter, reason, lease))
+            return await self._to_the_end(self._commit_pin(name, to, adapter, reason, lease, claim))
         finally:
             if not handed_over:
-                self._unclaim(name)
+                self._unclaim(name, claim)
                 lease.release()
 
-    async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease) -> Residency:
+    async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease,
+                          claim: object) -> Residency:
         """Pin in the engine and record the pin, under the lock: no other tier operation sees
         the engine pinned and the records not, or the other way round."""
         engine_id = adapter.engine_id
@@ -320,7 +326,7 @@ class Tiers:
                             raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
                                                "Retry; if it persists, see the daemon's log.")
                 except BaseException:
-                    self._unclaim(name)
+                    self._unclaim(name, claim)
                     await self._settle_locked(engine_id)
                     if release_first and name not in self._pinned_ids:
                         await self._restore_host_pin(name, previous)
@@ -328,13 +334,13 @@ class Tiers:
                 if was != to:
                     self.state.set_pin(name, to)
                 self._pinned_ids[name] = engine_id
-                self._unclaim(name)
+                self._unclaim(name, claim)
                 self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
                 if previous is not None and (previous != engine_id or was != to) and not release_first:
                     await self._settle_locked(previous)   # the old revision, or the device pin left for host
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
             lease.release()
 
     async def _restore_host_pin(self, name: str, engine_id: int) -> None:
@@ -356,13 +362,13 @@ class Tiers:
     def claimed(self, name: str):
         """Hold ``name`` against pins and unpins for the body (``rm``): a pin in progress would
         otherwise record a pin of a name that is gone."""
-        self._claim_pin(name, "", self.state.pin_of(name))
+        claim = self._claim_pin(name, "", self.state.pin_of(name))
         try:
             yield
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
 
-    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> None:
+    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> object:
         """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
         other pin can check between. Counts recorded pins and claims of pins in progress."""
         if name in self._claims:
@@ -385,9 +391,17 @@ class Tiers:
         self._claims[name] = to
         if engine_id is not None:
             self._claim_ids[name] = engine_id
+        claim = self._claim_owners[name] = object()
+        return claim   # the token that ends this claim, and no later one
 
-    def _unclaim(self, name: str) -> None:
-        """Idempotent: the claim ends where the work ends, which may be after its caller left."""
+    def _unclaim(self, name: str, claim: object) -> None:
+        """End ``claim`` (the token :meth:`_claim_pin` returned), if it is still ``name``'s.
+        Idempotent: the claim ends where the work ends, which may be after its caller left; by
+        then a later command may hold ``name``, and its claim is not this one's to end (a pin
+        refused as busy, or one that gave its claim up early, dropped it before)."""
+        if self._claim_owners.get(name) is not claim:
+            return
+        del self._claim_owners[name]
         self._claims.pop(name, None)
         self._claim_ids.pop(name, None)
 
@@ -438,16 +452,16 @@ class Tiers:
         current = self.state.pin_of(name)
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
-        self._claim_pin(name, "", current)
-        return await self._to_the_end(self._commit_unpin(name, adapter.engine_id))
+        claim = self._claim_pin(name, "", current)
+        return await self._to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
 
-    async def _commit_unpin(self, name: str, engine_id: int) -> Residency:
+    async def _commit_unpin(self, name: str, engine_id: int, claim: object) -> Residency:
         try:
             async with self._lock:
                 await self._drop_pin_locked(name, engine_id)
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
 
     async def _drop_pin_locked(self, name: str, engine_id: int, reason: str = "") -> None:
         """Record ``name`` unpinned, then settle the id its pin held (``engine_id`` if none is
