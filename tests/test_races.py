@@ -489,6 +489,25 @@ def test_a_pin_change_cancelled_at_any_await_leaves_records_gate_and_engine_agre
     assert steps > 3, "the change never awaited: nothing was tested"
 
 
+def test_evict_from_host_of_a_name_whose_content_another_name_pinned_names_that_pin(tmp_path):
+    """"b" has the same content as "a", pinned in host RAM: ``evict b --from host`` is refused,
+    and the refusal names the pin to undo (before: "'b' is pinned ... loractl unpin b", which
+    then failed with "'b' is not pinned")."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        tiers.resolver.refs["b"] = _Ref("b", 1)
+        await tiers.pin("a", "host")
+        with pytest.raises(InvalidRequest, match="same content as 'a', which is pinned") as refused:
+            await tiers.evict("b", "host")
+        assert refused.value.hint == "To evict it, unpin that first: loractl unpin a"
+        with pytest.raises(InvalidRequest, match="'b' is not pinned"):
+            await tiers.unpin("b")
+        _assert_pins_agree(tiers)
+        await tiers.unpin("a")
+        assert (await tiers.evict("b", "host")).tier == "disk"
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("command", ["load b --to host", "evict b --from device"])
 def test_no_command_takes_a_device_pinned_adapter_off_the_device_through_another_name(tmp_path, command):
     """"b" has the same content as "a" (one engine id), and "a" is pinned to the device: taking

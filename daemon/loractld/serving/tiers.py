@@ -233,6 +233,10 @@ class Tiers:
                 self._refuse_if_held_on_device(name, adapter.engine_id, "evict it")
             current = (await self.sync()).residency(adapter.engine_id)
             if current.pinned and source == "host":
+                holders = sorted(n for n, i in self._pinned_ids.items() if i == adapter.engine_id)
+                if holders and name not in holders:   # the pin is another name's, of the same content
+                    raise InvalidRequest(f"{name!r} has the same content as {holders[0]!r}, which is pinned",
+                                         f"To evict it, unpin that first: loractl unpin {holders[0]}")
                 raise InvalidRequest(f"{name!r} is pinned in host RAM", f"Unpin it first: loractl unpin {name}")
             if source == "device" and current.tier == "device":
                 self._reasons[(adapter.engine_id, "device")] = "explicit"
