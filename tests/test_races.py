@@ -738,3 +738,56 @@ def test_a_pin_run_again_while_the_cancelled_one_gives_its_place_back_keeps_its_
         assert tiers.state.device_pins == ["a"]
         _assert_pins_agree(tiers)
     asyncio.run(go())
+
+
+# -- rm whose caller goes away -----------------------------------------------------------------------
+def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_path):
+    """``rm --force`` of a device-pinned adapter, cancelled (Ctrl-C, a deadline) while the store
+    removes its name. Before the fix the name was gone from disk but its device pin stayed
+    recorded, with its gate place and engine pin (held for good: one place fewer for every
+    other adapter, and a pin of a name that no longer exists), and no DELETED_FROM_DISK was
+    published (a router's registry, fed by the events, kept advertising the adapter)."""
+    import threading
+
+    from loractld.core import Catalog, Core
+    from loractld.store.disk import Store
+    from loractld.store.identity import AdapterResolver
+    from loractld.store.validate import AdapterFacts
+
+    async def go():
+        store = Store(tmp_path / "adapters")
+        _stage_and_install(store, "a", b"weights")
+        resolver = AdapterResolver(store, lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None))
+        engine = EngineDouble(2, 3)
+        engine.errored = False
+        core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
+        tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
+                      Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
+        core.set_catalog(Catalog(store, resolver, puller=None, base_model=None))
+        core.set_engine(engine, tiers)
+        await tiers.pin("a", "device")
+        events = core.events.subscribe()
+        removing, go_on = threading.Event(), threading.Event()
+        real_remove = store.remove
+
+        def slow_remove(name, **kwargs):
+            removing.set()
+            go_on.wait(10)
+            return real_remove(name, **kwargs)
+        store.remove = slow_remove
+        rm = asyncio.ensure_future(core.remove("a", force=True))
+        await asyncio.to_thread(removing.wait, 10)
+        rm.cancel()                                       # the caller goes away mid-way
+        go_on.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await rm
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not tiers._finishing:
+                break
+        assert [a.name for a in store.list()] == []
+        assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
+        _assert_pins_agree(tiers)
+        kinds = [e.kind for e in (events.get_nowait() for _ in range(events.qsize()))]
+        assert "DELETED_FROM_DISK" in kinds, kinds
+    asyncio.run(go())

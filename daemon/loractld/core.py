@@ -392,9 +392,19 @@ class Core:
         if name in tiers.pinned_names() and not force:
             raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
                                  "or remove it anyway with --force.")
-        unloaded = False
         ref = self._resolve_quietly(catalog, name)
-        with tiers.claimed(name):  # no pin of it starts or ends meanwhile
+        with contextlib.ExitStack() as claim:
+            claim.enter_context(tiers.claimed(name))  # no pin of it starts or ends meanwhile (busy: refused now)
+            # From here the removal runs to its end even if its caller goes away (a cancelled
+            # RPC): cut short, it left the name gone from disk with its pin still recorded (a
+            # device pin's gate place held for good), and no DELETED_FROM_DISK (a router's
+            # registry kept advertising the adapter).
+            return await tiers.to_the_end(self._remove_claimed(catalog, tiers, name, ref, claim.pop_all()))
+
+    async def _remove_claimed(self, catalog: Catalog, tiers: Tiers, name: str, ref: AdapterRef | None,
+                              claim: contextlib.ExitStack) -> RemovedView:
+        unloaded = False
+        with claim:
             # The name goes first, so no new request resolves it; the folder stays while a request
             # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
             # mid-request, and a missing folder kills the engine core (found by bench/soak.py).

@@ -297,10 +297,10 @@ class Tiers:
                 await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
             except BaseException:
                 self._unclaim(name, claim)
-                await self._to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
+                await self.to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
                 raise
             handed_over = True
-            return await self._to_the_end(self._commit_pin(name, to, adapter, reason, lease, claim))
+            return await self.to_the_end(self._commit_pin(name, to, adapter, reason, lease, claim))
         finally:
             if not handed_over:
                 self._unclaim(name, claim)
@@ -438,9 +438,10 @@ class Tiers:
         if self._wanted(engine_id) != "device":   # a device pin of it claimed meanwhile keeps the place
             self.gate.unreserve(engine_id)
 
-    def _to_the_end(self, work: Awaitable):
+    def to_the_end(self, work: Awaitable):
         """Await ``work`` so that a caller that goes away (a cancelled RPC) cannot stop it halfway:
-        a change to the engine's pins and to their records is made whole, never in part."""
+        a change to the engine's pins and to their records (or an rm, ``Core.remove``) is made
+        whole, never in part."""
         task = asyncio.ensure_future(work)
         self._finishing.add(task)
         task.add_done_callback(self._finished)
@@ -457,7 +458,7 @@ class Tiers:
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
         claim = self._claim_pin(name, "", current)
-        return await self._to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
+        return await self.to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
 
     async def _commit_unpin(self, name: str, engine_id: int, claim: object) -> Residency:
         try:
@@ -493,7 +494,7 @@ class Tiers:
         a pin that stayed on an old revision may hold this content with no other name of it on
         disk, and vLLM drops a removed entry's pin without a word."""
         if self.state.pin_of(name):
-            await self._to_the_end(self._unpin_for_rm(name, adapter.engine_id))
+            await self.to_the_end(self._unpin_for_rm(name, adapter.engine_id))
         if not unload:
             self.usage.pop(name, None)
             return False
