@@ -791,3 +791,78 @@ def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_
         kinds = [e.kind for e in (events.get_nowait() for _ in range(events.qsize()))]
         assert "DELETED_FROM_DISK" in kinds, kinds
     asyncio.run(go())
+
+
+def test_a_pull_whose_caller_goes_away_during_the_install_still_announces_it_and_moves_the_pin(tmp_path):
+    """A new revision of device-pinned "a" is being installed (held at the store's
+    "store-installed" point) when the pull's caller goes away. The install stands; before the
+    fix nothing that follows an install happened: no DOWNLOADED_TO_DISK (a router's registry
+    never heard of it), the pin stayed on the old revision with no 'pin not moved' event, and
+    the old revision stayed in the engine."""
+    from loractld.core import Catalog, Core
+    from loractld.store.disk import Store
+    from loractld.store.identity import AdapterResolver
+    from loractld.store.pulls import Puller
+    from loractld.store.sources import AdapterSource, RemoteFile, Resolved
+    from loractld.store.validate import AdapterFacts
+
+    import struct
+
+    header = b'{"__metadata__": {"revision": "two"}}'
+    files = {"adapter_config.json": b'{"r": 8}',
+             "adapter_model.safetensors": struct.pack("<Q", len(header)) + header}
+
+    class Folder(AdapterSource):
+        name = "test"
+
+        def accepts(self, ref: str) -> bool:
+            return ref.startswith("test://")
+
+        def resolve(self, ref, revision, *, token, endpoint) -> Resolved:
+            return Resolved(source=self.name, ref=ref, revision="2" * 40, default_name="a",
+                            files=[RemoteFile(n, len(d)) for n, d in files.items()])
+
+        def download_to_disk(self, resolved, dest: Path, progress, cancel, *, token, endpoint) -> None:
+            for n, d in files.items():
+                (dest / n).write_bytes(d)
+
+    async def go():
+        store = Store(tmp_path / "adapters")
+        _stage_and_install(store, "a", b"revision one")
+        validate = lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None)  # noqa: E731
+        resolver = AdapterResolver(store, validate)
+        engine = EngineDouble(2, 3)
+        engine.errored = False
+        core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
+        tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
+                      Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
+        core.set_catalog(Catalog(store, resolver, Puller(store, [Folder()], validate), base_model=None))
+        core.set_engine(engine, tiers)
+        old_id = resolver.resolve("a").engine_id
+        await tiers.pin("a", "device")
+        events = core.events.subscribe()
+
+        async def client():
+            async with contextlib.aclosing(core.pull("test://a", name="a")) as stream:
+                async for _ in stream:
+                    pass
+        with testhooks.armed("store-installed") as point:
+            pull = asyncio.ensure_future(client())
+            await point.until_reached()
+            pull.cancel()                                  # the caller goes away during the install
+            await asyncio.sleep(0.05)
+            point.release()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pull
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not getattr(core, "_after_installs", None) and not tiers._finishing:
+                break
+        new_id = resolver.resolve("a").engine_id
+        assert new_id != old_id
+        kinds = [(e.kind, e.adapter) for e in (events.get_nowait() for _ in range(events.qsize()))]
+        assert ("DOWNLOADED_TO_DISK", "a") in kinds, kinds
+        assert tiers.held_pins() == {"a": ("device", new_id)}
+        _assert_pins_agree(tiers)
+        assert old_id not in engine.host
+    asyncio.run(go())

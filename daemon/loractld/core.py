@@ -104,6 +104,7 @@ class Core:
         self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
+        self._after_installs: set[asyncio.Task] = set()   # Core._installed's work, whoever waits for it
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -360,15 +361,27 @@ class Core:
         if not ref:
             raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
         with self._tracked("the daemon is shutting down; the pull was stopped (nothing was installed)"):
-            async with contextlib.aclosing(catalog.puller.pull(ref, name=name, revision=revision, force=force,
-                                                               token=token, endpoint=endpoint)) as events:
+            async with contextlib.aclosing(catalog.puller.pull(
+                    ref, name=name, revision=revision, force=force, token=token, endpoint=endpoint,
+                    installed=lambda done: self._installed(catalog, done))) as events:
                 async for event in events:
                     if event.adapter is not None:
                         _log.info("pull %s: %s", event.stage, event.message)
-                    if event.stage == "done":
-                        self.events.publish(Event("DOWNLOADED_TO_DISK", event.adapter.name, message=event.message))
-                        await self._replaced(catalog, event.adapter.name, event.previous)
                     yield event
+
+    async def _installed(self, catalog: Catalog, done: PullEvent) -> None:
+        """A pull installed ``done.adapter``: announce it and move what the replaced revision held
+        (:meth:`_replaced`), to the end even if the pull's caller goes away meanwhile (or went
+        away after the install): the new revision is on disk either way, and a router's
+        registry, fed by the events, must hear of it; a pin left on the old revision unannounced
+        would hold its place with nothing saying so."""
+        async def announce_and_replace() -> None:
+            self.events.publish(Event("DOWNLOADED_TO_DISK", done.adapter.name, message=done.message))
+            await self._replaced(catalog, done.adapter.name, done.previous)
+        task = asyncio.ensure_future(announce_and_replace())
+        self._after_installs.add(task)
+        task.add_done_callback(self._after_installs.discard)
+        await asyncio.shield(task)
 
     async def list_adapters(self) -> list[AdapterView]:
         catalog = await self._wait_catalog()
