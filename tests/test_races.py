@@ -740,6 +740,64 @@ def test_a_pin_run_again_while_the_cancelled_one_gives_its_place_back_keeps_its_
     asyncio.run(go())
 
 
+# -- rm and pull on a Core over the real Store, in front of the engine double -----------------------
+def _core(tmp_path: Path, sources=()):
+    """A Core over a real Store and resolver, with the tiers and gate in front of EngineDouble."""
+    from loractld.core import Catalog, Core
+    from loractld.store.disk import Store
+    from loractld.store.identity import AdapterResolver
+    from loractld.store.pulls import Puller
+    from loractld.store.validate import AdapterFacts
+
+    store = Store(tmp_path / "adapters")
+    validate = lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None)  # noqa: E731
+    resolver = AdapterResolver(store, validate)
+    engine = EngineDouble(2, 3)
+    engine.errored = False
+    core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
+    tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
+                  Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
+    core.set_catalog(Catalog(store, resolver, Puller(store, list(sources), validate), base_model=None))
+    core.set_engine(engine, tiers)
+    return core, store, tiers
+
+
+def _test_source(revision: str):
+    """A source whose adapter's content is ``revision``'s (a valid safetensors header)."""
+    import struct
+
+    from loractld.store.sources import AdapterSource, RemoteFile, Resolved
+
+    header = json.dumps({"__metadata__": {"revision": revision}}).encode()
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": struct.pack("<Q", len(header)) + header}
+
+    class Source(AdapterSource):
+        name = "test"
+
+        def accepts(self, ref: str) -> bool:
+            return ref.startswith("test://")
+
+        def resolve(self, ref, revision_, *, token, endpoint) -> Resolved:
+            return Resolved(source=self.name, ref=ref, revision=revision * 40, default_name="a",
+                            files=[RemoteFile(n, len(d)) for n, d in files.items()])
+
+        def download_to_disk(self, resolved, dest: Path, progress, cancel, *, token, endpoint) -> None:
+            for n, d in files.items():
+                (dest / n).write_bytes(d)
+    return Source()
+
+
+async def _drained(core, tiers) -> None:
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not getattr(core, "_after_installs", None) and not tiers._finishing:
+            return
+
+
+def _events(queue) -> list:
+    return [(e.kind, e.adapter) for e in (queue.get_nowait() for _ in range(queue.qsize()))]
+
+
 # -- rm whose caller goes away -----------------------------------------------------------------------
 def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_path):
     """``rm --force`` of a device-pinned adapter, cancelled (Ctrl-C, a deadline) while the store
@@ -749,22 +807,9 @@ def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_
     published (a router's registry, fed by the events, kept advertising the adapter)."""
     import threading
 
-    from loractld.core import Catalog, Core
-    from loractld.store.disk import Store
-    from loractld.store.identity import AdapterResolver
-    from loractld.store.validate import AdapterFacts
-
     async def go():
-        store = Store(tmp_path / "adapters")
+        core, store, tiers = _core(tmp_path)
         _stage_and_install(store, "a", b"weights")
-        resolver = AdapterResolver(store, lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None))
-        engine = EngineDouble(2, 3)
-        engine.errored = False
-        core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
-        tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
-                      Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
-        core.set_catalog(Catalog(store, resolver, puller=None, base_model=None))
-        core.set_engine(engine, tiers)
         await tiers.pin("a", "device")
         events = core.events.subscribe()
         removing, go_on = threading.Event(), threading.Event()
@@ -781,15 +826,11 @@ def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_
         go_on.set()
         with contextlib.suppress(asyncio.CancelledError):
             await rm
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if not tiers._finishing:
-                break
+        await _drained(core, tiers)
         assert [a.name for a in store.list()] == []
         assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
         _assert_pins_agree(tiers)
-        kinds = [e.kind for e in (events.get_nowait() for _ in range(events.qsize()))]
-        assert "DELETED_FROM_DISK" in kinds, kinds
+        assert ("DELETED_FROM_DISK", "a") in _events(events)
     asyncio.run(go())
 
 
@@ -799,46 +840,10 @@ def test_a_pull_whose_caller_goes_away_during_the_install_still_announces_it_and
     fix nothing that follows an install happened: no DOWNLOADED_TO_DISK (a router's registry
     never heard of it), the pin stayed on the old revision with no 'pin not moved' event, and
     the old revision stayed in the engine."""
-    from loractld.core import Catalog, Core
-    from loractld.store.disk import Store
-    from loractld.store.identity import AdapterResolver
-    from loractld.store.pulls import Puller
-    from loractld.store.sources import AdapterSource, RemoteFile, Resolved
-    from loractld.store.validate import AdapterFacts
-
-    import struct
-
-    header = b'{"__metadata__": {"revision": "two"}}'
-    files = {"adapter_config.json": b'{"r": 8}',
-             "adapter_model.safetensors": struct.pack("<Q", len(header)) + header}
-
-    class Folder(AdapterSource):
-        name = "test"
-
-        def accepts(self, ref: str) -> bool:
-            return ref.startswith("test://")
-
-        def resolve(self, ref, revision, *, token, endpoint) -> Resolved:
-            return Resolved(source=self.name, ref=ref, revision="2" * 40, default_name="a",
-                            files=[RemoteFile(n, len(d)) for n, d in files.items()])
-
-        def download_to_disk(self, resolved, dest: Path, progress, cancel, *, token, endpoint) -> None:
-            for n, d in files.items():
-                (dest / n).write_bytes(d)
-
     async def go():
-        store = Store(tmp_path / "adapters")
+        core, store, tiers = _core(tmp_path, [_test_source("2")])
         _stage_and_install(store, "a", b"revision one")
-        validate = lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None)  # noqa: E731
-        resolver = AdapterResolver(store, validate)
-        engine = EngineDouble(2, 3)
-        engine.errored = False
-        core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
-        tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
-                      Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
-        core.set_catalog(Catalog(store, resolver, Puller(store, [Folder()], validate), base_model=None))
-        core.set_engine(engine, tiers)
-        old_id = resolver.resolve("a").engine_id
+        old_id = tiers.resolver.resolve("a").engine_id
         await tiers.pin("a", "device")
         events = core.events.subscribe()
 
@@ -854,15 +859,55 @@ def test_a_pull_whose_caller_goes_away_during_the_install_still_announces_it_and
             point.release()
             with contextlib.suppress(asyncio.CancelledError):
                 await pull
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if not getattr(core, "_after_installs", None) and not tiers._finishing:
-                break
-        new_id = resolver.resolve("a").engine_id
+        await _drained(core, tiers)
+        new_id = tiers.resolver.resolve("a").engine_id
         assert new_id != old_id
-        kinds = [(e.kind, e.adapter) for e in (events.get_nowait() for _ in range(events.qsize()))]
-        assert ("DOWNLOADED_TO_DISK", "a") in kinds, kinds
+        assert ("DOWNLOADED_TO_DISK", "a") in _events(events)
         assert tiers.held_pins() == {"a": ("device", new_id)}
         _assert_pins_agree(tiers)
-        assert old_id not in engine.host
+        assert old_id not in tiers.engine.host
+    asyncio.run(go())
+
+
+def test_an_rm_during_a_pull_of_the_same_name_is_refused_and_the_events_end_as_the_disk_does(tmp_path):
+    """A new revision of "a" is between its object's install and its link swap when ``rm a``
+    comes. Before the fix the rm went through: it unlinked the old revision, the pull then
+    linked the new one and announced it, and the rm, still busy in the engine, announced
+    DELETED_FROM_DISK after that: "a" stood on disk while a registry fed by the events
+    withdrew it. Now the rm is refused while the name is being pulled (and a pull of a name
+    being removed waits for the rm)."""
+    async def go():
+        core, store, tiers = _core(tmp_path, [_test_source("2")])
+        _stage_and_install(store, "a", b"revision one")
+        await tiers.load("a")
+        events = core.events.subscribe()
+        released, hold = asyncio.Event(), asyncio.Event()
+        real_remove_adapter = tiers.engine.remove_adapter
+
+        async def remove_adapter(engine_id):                # the rm, busy in the engine for a while
+            if not released.is_set():
+                await hold.wait()
+            return await real_remove_adapter(engine_id)
+        tiers.engine.remove_adapter = remove_adapter
+
+        async def client():
+            async with contextlib.aclosing(core.pull("test://a", name="a")) as stream:
+                async for _ in stream:
+                    pass
+        with testhooks.armed("store-installed") as point:
+            pull = asyncio.ensure_future(client())
+            await point.until_reached()
+            rm = asyncio.ensure_future(core.remove("a"))
+            await asyncio.wait([rm], timeout=0.5)            # refused at once, or busy in the engine
+            released.set()
+            point.release()
+            await asyncio.wait_for(pull, timeout=10)
+        hold.set()
+        with contextlib.suppress(InvalidRequest):
+            await asyncio.wait_for(rm, timeout=10)
+        await _drained(core, tiers)
+        on_disk = "a" in [x.name for x in store.list()]
+        last = [k for k, n in _events(events) if n == "a" and k in ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK")][-1]
+        assert on_disk == (last == "DOWNLOADED_TO_DISK"), (on_disk, last)
+        assert on_disk
     asyncio.run(go())

@@ -406,6 +406,11 @@ class Core:
             raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
                                  "or remove it anyway with --force.")
         ref = self._resolve_quietly(catalog, name)
+        pulling = catalog.puller.lock(name)
+        if pulling.locked():
+            # Each would undo the other on disk, and their events could come in the other order
+            # (DELETED_FROM_DISK last while the new revision stands: a registry withdraws it).
+            raise InvalidRequest(f"{name!r} is being pulled", "Wait for the pull to finish, then remove it.")
         with contextlib.ExitStack() as claim:
             claim.enter_context(tiers.claimed(name))  # no pin of it starts or ends meanwhile (busy: refused now)
             # From here the removal runs to its end even if its caller goes away (a cancelled
@@ -417,17 +422,19 @@ class Core:
     async def _remove_claimed(self, catalog: Catalog, tiers: Tiers, name: str, ref: AdapterRef | None,
                               claim: contextlib.ExitStack) -> RemovedView:
         unloaded = False
-        with claim:
-            # The name goes first, so no new request resolves it; the folder stays while a request
-            # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
-            # mid-request, and a missing folder kills the engine core (found by bench/soak.py).
-            removed = await asyncio.to_thread(catalog.store.remove, name)
-            if ref is not None:
-                # Another name with the same content is the same adapter in the engine: keep it there.
-                shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
-                unloaded = await tiers.forget(name, ref, unload=not shared)
-                catalog.resolver.relabel(name, ref.engine_id, shared)
-        self.events.publish(Event("DELETED_FROM_DISK", name))
+        # The pull lock was free (checked above): a pull of the name now waits for the rm.
+        async with catalog.puller.lock(name):
+            with claim:
+                # The name goes first, so no new request resolves it; the folder stays while a
+                # request that resolved it earlier holds its lease: vLLM reloads an evicted adapter
+                # from disk mid-request, and a missing folder kills the engine core (bench/soak.py).
+                removed = await asyncio.to_thread(catalog.store.remove, name)
+                if ref is not None:
+                    # Another name with the same content is the same adapter in the engine: keep it.
+                    shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
+                    unloaded = await tiers.forget(name, ref, unload=not shared)
+                    catalog.resolver.relabel(name, ref.engine_id, shared)
+            self.events.publish(Event("DELETED_FROM_DISK", name))
         _log.info("removed %s (%s)", name, removed.path)
         return RemovedView(AdapterView.of(removed), unloaded)
 

@@ -73,7 +73,7 @@ class Puller:
         yield PullEvent("resolving", message=f"resolving {ref}")
         resolved = await asyncio.to_thread(source.resolve, ref, revision or None, token=token, endpoint=endpoint)
         name = name or resolved.default_name
-        lock = self._locks.setdefault(name, asyncio.Lock())
+        lock = self.lock(name)
         async with lock:
             current = self._current(name)
             if current and current.manifest.get("ref") == resolved.ref and \
@@ -84,6 +84,11 @@ class Puller:
             self.store.check_free_space(resolved.total_bytes)
             async for event in self._run(source, resolved, name, force, token, endpoint, current, installed):
                 yield event
+
+    def lock(self, name: str) -> asyncio.Lock:
+        """Held by a pull of ``name`` from its resolve to its end (and by an rm of it: one of
+        them at a time, so their events come in the order their changes took)."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def _current(self, name: str) -> StoredAdapter | None:
         try:
