@@ -276,7 +276,9 @@ class Tiers:
         Until the engine is asked, a caller that goes away cancels the pin (its gate place goes
         back); from then on the pin is finished and recorded whatever the caller does
         (:meth:`_commit_pin`). A pin that held another revision, or the other tier, gives that up
-        once the new pin is recorded (:meth:`_settle_locked`).
+        once the new pin is recorded (:meth:`_settle_locked`); a host pin moving to a new
+        revision gives the old one up just before (the host-pin cap), and takes it back if the
+        new one fails. The name's claim is this pin's until it ends, and no other command's.
         """
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
