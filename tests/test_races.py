@@ -441,11 +441,11 @@ _CHANGES = {
     "host to device": ([lambda t: t.pin("a", "host")], lambda t: t.pin("a", "device")),
     "device to host": ([lambda t: t.pin("a", "device")], lambda t: t.pin("a", "host")),
     "new revision": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
-                     lambda t: t.repin("a", 1)),
+                     lambda t: t.repin("a")),
     "pin again after a refused move": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
                                        lambda t: t.pin("a", "device")),
     "host pin, new revision": ([lambda t: t.pin("a", "host"), lambda t: _new_revision(t, "a", 9)],
-                               lambda t: t.repin("a", 1)),
+                               lambda t: t.repin("a")),
     "unpin": ([lambda t: t.pin("a", "device")], lambda t: t.unpin("a")),
     "shared content": ([lambda t: _new_revision(t, "b", 1), lambda t: t.pin("a", "device"),
                         lambda t: t.pin("b", "host")], lambda t: t.unpin("b")),
@@ -632,7 +632,7 @@ def test_a_host_pin_moved_to_a_new_revision_never_holds_one_host_pin_over_the_ca
         engine.pin_adapter = pin_adapter
         await tiers.pin("a", "host")
         await _new_revision(tiers, "a", 9)
-        await tiers.repin("a", 1)
+        await tiers.repin("a")
         assert tiers.held_pins() == {"a": ("host", 9)}
         _assert_pins_agree(tiers)
         assert max(most) <= tiers.max_pins, most
@@ -661,7 +661,7 @@ def test_a_host_pin_whose_move_to_a_new_revision_fails_stays_on_the_old_one_or_e
             return await real_pin(engine_id, device=device)
         engine.pin_adapter = pin_adapter
         with pytest.raises(LoractlError, match="the engine no longer holds it"):
-            await tiers.repin("a", 1)
+            await tiers.repin("a")
         _assert_pins_agree(tiers)
         assert tiers.held_pins() == ({"a": ("host", 1)} if old == "still loaded" else {})
         assert PersistentState(tmp_path / "state.json").pin_of("a") == ("host" if old == "still loaded" else "")
@@ -910,4 +910,32 @@ def test_an_rm_during_a_pull_of_the_same_name_is_refused_and_the_events_end_as_t
         last = [k for k, n in _events(events) if n == "a" and k in ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK")][-1]
         assert on_disk == (last == "DOWNLOADED_TO_DISK"), (on_disk, last)
         assert on_disk
+    asyncio.run(go())
+
+
+def test_a_saved_pin_never_applied_claims_no_old_revision_when_its_move_fails(tmp_path):
+    """"a" was saved pinned to the device but its pin failed at start (the files changed while
+    the daemon was down). A new revision is pulled; its device pin fails too. Before the fix
+    the move had first recorded the pin as holding the old revision (id 1), which the engine
+    and the gate never held: every other name of that content was then refused 'pinned to the
+    device' (load --to host, evict) for nothing."""
+    from loractl.errors import LoractlError
+
+    state = PersistentState(tmp_path / "state.json")
+    state.device_pins = ["a"]
+    state.save()
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)   # the saved pin, never applied
+        tiers.resolver.refs["b"] = _Ref("b", 1)                  # b: a's old content
+        await _new_revision(tiers, "a", 9)
+        real_pin = tiers.engine.pin_adapter
+
+        async def pin_adapter(engine_id, *, device=False):
+            return False if engine_id == 9 else await real_pin(engine_id, device=device)
+        tiers.engine.pin_adapter = pin_adapter
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.repin("a")
+        assert tiers.held_pins() == {} and tiers.gate.pinned == set()
+        assert (await tiers.load("b", "host")).tier == "host"
     asyncio.run(go())

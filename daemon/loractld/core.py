@@ -522,7 +522,7 @@ class Core:
                 old_digest = files_digest(previous.manifest["files"])
                 old_id = catalog.resolver.id_for(old_digest)
                 try:
-                    await self.tiers.repin(name, old_id)
+                    await self.tiers.repin(name)
                 except LoractlError as e:  # the new revision is installed: the pull stands
                     _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
                     self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",

@@ -478,7 +478,7 @@ class Tiers:
         self.events.publish(Event("UNPINNED", name, reason=reason))
         await self._settle_locked(held)
 
-    async def repin(self, name: str, old_id: int) -> None:
+    async def repin(self, name: str) -> None:
         """A new revision of a pinned adapter was installed: move the pin over to it (the old
         revision's pin is given up once the new one is recorded)."""
         to = self.state.pin_of(name)
@@ -486,7 +486,8 @@ class Tiers:
             if name in self._claims:  # before anything moves: the pin stays on the old revision
                 raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                      f"Pin it again once that is done: loractl pin {name} --to {to}")
-            self._pinned_ids.setdefault(name, old_id)
+            # The old revision's pin, if applied, is in _pinned_ids (= old_id); a saved pin never
+            # applied (it failed at start) held nothing, and gives nothing up.
             await self.pin(name, to, reason="new revision")
 
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
