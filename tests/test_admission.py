@@ -267,6 +267,29 @@ def test_a_cancelled_device_pin_gives_its_place_back(order):
     run(go())
 
 
+def test_a_queued_request_of_an_adapter_pinned_meanwhile_goes_in_while_another_pin_waits():
+    """Adapter 3's request waits for a full gate; 3 is then pinned (granted the first free
+    place) while a pin of 4 still waits. The pinned adapter's request takes no place, so it goes
+    in at once (before the fix it waited for the other pin, i.e. for the running adapters to
+    drain: 'a request for a device-pinned adapter never waits')."""
+    async def go():
+        gate = checked(Gate(2, AdapterBatching(max_wait_s=10.0)))
+        a, b = await arrive(gate, 1), await arrive(gate, 2)
+        queued = await arrive(gate, 3)
+        pin3 = asyncio.ensure_future(gate.reserve(3))
+        await settle()
+        pin4 = asyncio.ensure_future(gate.reserve(4))
+        await settle()
+        gate.finish(a.result())
+        await settle()
+        assert pin3.done() and not pin4.done() and gate.pinned == {3}
+        assert queued.done() and gate.running == {2: 1, 3: 1} and gate.used == 2
+        gate.finish(b.result())
+        await settle()
+        assert pin4.done() and gate.pinned == {3, 4}
+    run(go())
+
+
 def test_the_gate_refuses_nonsense():
     with pytest.raises(ValueError, match="at least one place"):
         Gate(0, FirstCome())

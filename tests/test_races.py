@@ -441,9 +441,11 @@ _CHANGES = {
     "host to device": ([lambda t: t.pin("a", "host")], lambda t: t.pin("a", "device")),
     "device to host": ([lambda t: t.pin("a", "device")], lambda t: t.pin("a", "host")),
     "new revision": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
-                     lambda t: t.repin("a", 1)),
+                     lambda t: t.repin("a")),
     "pin again after a refused move": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
                                        lambda t: t.pin("a", "device")),
+    "host pin, new revision": ([lambda t: t.pin("a", "host"), lambda t: _new_revision(t, "a", 9)],
+                               lambda t: t.repin("a")),
     "unpin": ([lambda t: t.pin("a", "device")], lambda t: t.unpin("a")),
     "shared content": ([lambda t: _new_revision(t, "b", 1), lambda t: t.pin("a", "device"),
                         lambda t: t.pin("b", "host")], lambda t: t.unpin("b")),
@@ -487,6 +489,25 @@ def test_a_pin_change_cancelled_at_any_await_leaves_records_gate_and_engine_agre
     assert steps > 3, "the change never awaited: nothing was tested"
 
 
+def test_evict_from_host_of_a_name_whose_content_another_name_pinned_names_that_pin(tmp_path):
+    """"b" has the same content as "a", pinned in host RAM: ``evict b --from host`` is refused,
+    and the refusal names the pin to undo (before: "'b' is pinned ... loractl unpin b", which
+    then failed with "'b' is not pinned")."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        tiers.resolver.refs["b"] = _Ref("b", 1)
+        await tiers.pin("a", "host")
+        with pytest.raises(InvalidRequest, match="same content as 'a', which is pinned") as refused:
+            await tiers.evict("b", "host")
+        assert refused.value.hint == "To evict it, unpin that first: loractl unpin a"
+        with pytest.raises(InvalidRequest, match="'b' is not pinned"):
+            await tiers.unpin("b")
+        _assert_pins_agree(tiers)
+        await tiers.unpin("a")
+        assert (await tiers.evict("b", "host")).tier == "disk"
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("command", ["load b --to host", "evict b --from device"])
 def test_no_command_takes_a_device_pinned_adapter_off_the_device_through_another_name(tmp_path, command):
     """"b" has the same content as "a" (one engine id), and "a" is pinned to the device: taking
@@ -507,4 +528,414 @@ def test_no_command_takes_a_device_pinned_adapter_off_the_device_through_another
         await tiers.unpin("a")
         assert (await run()).tier == "host"
         _assert_pins_agree(tiers)
+    asyncio.run(go())
+
+
+# -- two names of the same content pinned to the device at once ------------------------------------
+async def _full_gate_and_two_twin_pins(tiers: Tiers):
+    """Every place taken by a request of another adapter (5, 6, 7), then "a" and "b" (the same
+    content: engine id 1) both pinned to the device: both wait for a place."""
+    tiers.resolver.refs["b"] = _Ref("b", 1)
+    running = [await tiers.gate.enter(key, f"x{key}") for key in (5, 6, 7)]
+    pin_a = asyncio.ensure_future(tiers.pin("a", "device"))
+    await asyncio.sleep(0)
+    pin_b = asyncio.ensure_future(tiers.pin("b", "device"))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not pin_a.done() and not pin_b.done() and tiers.gate.pins_waiting
+    return running, pin_a, pin_b
+
+
+def test_a_device_pin_of_content_already_pinned_takes_no_second_place(tmp_path):
+    """"a" and "b" have the same content (one engine id, one gate place). Both device pins wait
+    for a full gate; when one place frees, both go (the second takes no place). Before the fix
+    "b" waited for a second free place it would never take, and while it waited no request of
+    an unpinned adapter was admitted: every running adapter had to drain first."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=3, max_cpu_loras=5)
+        running, pin_a, pin_b = await _full_gate_and_two_twin_pins(tiers)
+        tiers.gate.finish(running[0])                 # one place frees
+        await asyncio.wait_for(asyncio.gather(pin_a, pin_b), timeout=5)
+        assert not tiers.gate.pins_waiting and tiers.gate.pinned == {1} and tiers.gate.free == 0
+        _assert_pins_agree(tiers)
+        joined = asyncio.ensure_future(tiers.gate.enter(6, "x6"))   # an active adapter takes requests again
+        await asyncio.sleep(0)
+        assert joined.done()
+    asyncio.run(go())
+
+
+def test_a_cancelled_twin_device_pin_leaves_the_other_names_place(tmp_path):
+    """"a" and "b" (one engine id) both wait for a device place; two places free in one loop
+    turn, which grants both, and "b"'s caller goes away in that same turn. Before the fix the
+    gate gave the place back for "b"'s cancel although "a"'s pin holds it: the engine pinned
+    id 1 in a slot the gate no longer counted, so the gate could admit max_loras unpinned
+    adapters next to it (a step then evicts one of its own adapters and vLLM dies)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=3, max_cpu_loras=5)
+        running, pin_a, pin_b = await _full_gate_and_two_twin_pins(tiers)
+        tiers.gate.finish(running[0])
+        tiers.gate.finish(running[1])
+        pin_b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pin_b
+        await asyncio.wait_for(pin_a, timeout=5)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+        assert tiers.gate.used == 2                    # the pin and adapter 7: one place for one more
+    asyncio.run(go())
+
+
+def test_rm_keeps_an_engine_id_that_another_names_pin_holds(tmp_path):
+    """"a" and "b" had the same content (engine id 1); "b" was pinned to the device while a new
+    revision of it landed, so its pin holds the old content, id 1 (the pull reports 'pin not
+    moved'). ``rm a`` finds no other name of that content and unloads id 1: before the fix the
+    engine dropped the pin with the entry (vLLM does so silently), while the records and the
+    gate kept it (a place held for a pin the engine no longer has)."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        tiers.resolver.refs["b"] = _Ref("b", 1)
+        with testhooks.armed("pin-claimed") as point:
+            pin = asyncio.ensure_future(tiers.pin("b", "device"))
+            await point.until_reached()
+            tiers.resolver.refs["b"] = _Ref("b", 9)      # b's new revision
+            point.release()
+            await pin
+        assert tiers.held_pins() == {"b": ("device", 1)}
+        with tiers.claimed("a"):                          # what core.remove does, "a" gone from disk
+            unloaded = await tiers.forget("a", _Ref("a", 1), unload=True)
+        assert not unloaded
+        _assert_pins_agree(tiers)
+        assert 1 in tiers.engine.host
+        await tiers.unpin("b")
+        _assert_pins_agree(tiers)
+        assert tiers.gate.free == 2
+    asyncio.run(go())
+
+
+def test_a_host_pin_moved_to_a_new_revision_never_holds_one_host_pin_over_the_cap(tmp_path):
+    """"a" is pinned in host RAM with every host pin place taken (max_cpu_loras - max_loras = 1);
+    a new revision of it lands and the pin moves over. Host pins are capped so that a step of
+    max_loras unpinned adapters always finds room in RAM next to them; before the fix the new
+    revision was pinned while the old one still was (two host pins, one over the cap) for at
+    least one engine call, during which such a step must evict one of its own adapters."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine, most = tiers.engine, []
+        real_pin = engine.pin_adapter
+
+        async def pin_adapter(engine_id, *, device=False):
+            answer = await real_pin(engine_id, device=device)
+            most.append(len(engine.pinned_host - engine.pinned_device))
+            return answer
+        engine.pin_adapter = pin_adapter
+        await tiers.pin("a", "host")
+        await _new_revision(tiers, "a", 9)
+        await tiers.repin("a")
+        assert tiers.held_pins() == {"a": ("host", 9)}
+        _assert_pins_agree(tiers)
+        assert max(most) <= tiers.max_pins, most
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("old", ["still loaded", "gone too"])
+def test_a_host_pin_whose_move_to_a_new_revision_fails_stays_on_the_old_one_or_ends(tmp_path, old):
+    """The host pin gives up the old revision first (above); when the engine then refuses to pin
+    the new one, the old one is pinned again, and if the engine no longer holds it either the
+    name is recorded unpinned, with an event: records, gate and engine agree either way."""
+    from loractl.errors import LoractlError
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine = tiers.engine
+        real_pin = engine.pin_adapter
+        await tiers.pin("a", "host")
+        await _new_revision(tiers, "a", 9)
+
+        async def pin_adapter(engine_id, *, device=False):
+            if engine_id == 9:
+                if old == "gone too":
+                    await engine.remove_adapter(1)
+                return False
+            return await real_pin(engine_id, device=device)
+        engine.pin_adapter = pin_adapter
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.repin("a")
+        _assert_pins_agree(tiers)
+        assert tiers.held_pins() == ({"a": ("host", 1)} if old == "still loaded" else {})
+        assert PersistentState(tmp_path / "state.json").pin_of("a") == ("host" if old == "still loaded" else "")
+    asyncio.run(go())
+
+
+# -- a name's claim belongs to the command that took it --------------------------------------------
+def test_a_pin_refused_as_busy_leaves_the_claim_of_the_pin_in_progress(tmp_path):
+    """``pin a`` waits (here: held between its claim and the gate); the user runs it again, which
+    is refused as busy. Before the fix the refused pin's clean-up dropped the first pin's claim:
+    the caps no longer counted it, so ``pin b`` took the last device-pin place too, and both
+    pins ended recorded (2 device pins of at most 1: every place of the gate pinned, no
+    unpinned adapter could run again); an rm could have run in the middle of it as well."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        with testhooks.armed("pin-claimed") as point:
+            first = asyncio.ensure_future(tiers.pin("a", "device"))
+            await point.until_reached()
+            with pytest.raises(InvalidRequest, match="busy with another command"):
+                await tiers.pin("a", "device")             # the same command, run again
+            with pytest.raises(InvalidRequest, match="busy with another command"):
+                with tiers.claimed("a"):                    # rm
+                    pass
+            b = asyncio.ensure_future(tiers.pin("b", "device"))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            point.release()
+            await asyncio.wait_for(first, timeout=5)
+            with contextlib.suppress(InvalidRequest):
+                await asyncio.wait_for(b, timeout=5)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+        assert tiers.gate.free == 1
+    asyncio.run(go())
+
+
+def test_a_pin_run_again_while_the_cancelled_one_gives_its_place_back_keeps_its_claim(tmp_path):
+    """Ctrl-C on ``pin a --to device`` while it loads, and the user runs it again at once: the
+    new pin claims the name while the cancelled one is still giving its gate place back (that
+    waits for the tiers' lock). Before the fix the cancelled pin's clean-up then dropped the
+    new pin's claim, and a pin of "b" got past the device-pin cap while "a"'s was in flight."""
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)
+        engine = tiers.engine
+        real_add, real_pin = engine.add_adapter, engine.pin_adapter
+        adding, pinning = asyncio.Event(), asyncio.Event()
+        hold_add, hold_pin = asyncio.Event(), asyncio.Event()
+
+        async def add_adapter(adapter):
+            if not adding.is_set():                     # the first pin's load: held, then cancelled
+                adding.set()
+                await hold_add.wait()
+            return await real_add(adapter)
+
+        async def pin_adapter(engine_id, *, device=False):
+            pinning.set()
+            await hold_pin.wait()
+            return await real_pin(engine_id, device=device)
+        engine.add_adapter, engine.pin_adapter = add_adapter, pin_adapter
+        first = asyncio.ensure_future(tiers.pin("a", "device"))
+        await adding.wait()
+        first.cancel()
+        again = asyncio.ensure_future(tiers.pin("a", "device"))
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(pinning.wait(), timeout=5)   # the new pin commits, under the lock
+        b = asyncio.ensure_future(tiers.pin("b", "device"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        hold_pin.set()
+        await asyncio.wait_for(again, timeout=5)
+        with contextlib.suppress(InvalidRequest):
+            await asyncio.wait_for(b, timeout=5)
+        assert tiers.state.device_pins == ["a"]
+        _assert_pins_agree(tiers)
+    asyncio.run(go())
+
+
+# -- rm and pull on a Core over the real Store, in front of the engine double -----------------------
+def _core(tmp_path: Path, sources=()):
+    """A Core over a real Store and resolver, with the tiers and gate in front of EngineDouble."""
+    from loractld.core import Catalog, Core
+    from loractld.store.disk import Store
+    from loractld.store.identity import AdapterResolver
+    from loractld.store.pulls import Puller
+    from loractld.store.validate import AdapterFacts
+
+    store = Store(tmp_path / "adapters")
+    validate = lambda path, forced: AdapterFacts(8, 16.0, ["q_proj"], None)  # noqa: E731
+    resolver = AdapterResolver(store, validate)
+    engine = EngineDouble(2, 3)
+    engine.errored = False
+    core = Core(socket_path=str(tmp_path / "sock"), home=str(tmp_path))
+    tiers = Tiers(engine, resolver, PersistentState(tmp_path / "state.json"), core.events, core.metrics,
+                  Gate(2, FirstCome()), max_loras=2, max_cpu_loras=3)
+    core.set_catalog(Catalog(store, resolver, Puller(store, list(sources), validate), base_model=None))
+    core.set_engine(engine, tiers)
+    return core, store, tiers
+
+
+def _test_source(revision: str):
+    """A source whose adapter's content is ``revision``'s (a valid safetensors header)."""
+    import struct
+
+    from loractld.store.sources import AdapterSource, RemoteFile, Resolved
+
+    header = json.dumps({"__metadata__": {"revision": revision}}).encode()
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": struct.pack("<Q", len(header)) + header}
+
+    class Source(AdapterSource):
+        name = "test"
+
+        def accepts(self, ref: str) -> bool:
+            return ref.startswith("test://")
+
+        def resolve(self, ref, revision_, *, token, endpoint) -> Resolved:
+            return Resolved(source=self.name, ref=ref, revision=revision * 40, default_name="a",
+                            files=[RemoteFile(n, len(d)) for n, d in files.items()])
+
+        def download_to_disk(self, resolved, dest: Path, progress, cancel, *, token, endpoint) -> None:
+            for n, d in files.items():
+                (dest / n).write_bytes(d)
+    return Source()
+
+
+async def _drained(core, tiers) -> None:
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not getattr(core, "_after_installs", None) and not tiers._finishing:
+            return
+
+
+def _events(queue) -> list:
+    return [(e.kind, e.adapter) for e in (queue.get_nowait() for _ in range(queue.qsize()))]
+
+
+# -- rm whose caller goes away -----------------------------------------------------------------------
+def test_an_rm_whose_caller_goes_away_mid_way_still_unpins_and_announces_it(tmp_path):
+    """``rm --force`` of a device-pinned adapter, cancelled (Ctrl-C, a deadline) while the store
+    removes its name. Before the fix the name was gone from disk but its device pin stayed
+    recorded, with its gate place and engine pin (held for good: one place fewer for every
+    other adapter, and a pin of a name that no longer exists), and no DELETED_FROM_DISK was
+    published (a router's registry, fed by the events, kept advertising the adapter)."""
+    import threading
+
+    async def go():
+        core, store, tiers = _core(tmp_path)
+        _stage_and_install(store, "a", b"weights")
+        await tiers.pin("a", "device")
+        events = core.events.subscribe()
+        removing, go_on = threading.Event(), threading.Event()
+        real_remove = store.remove
+
+        def slow_remove(name, **kwargs):
+            removing.set()
+            go_on.wait(10)
+            return real_remove(name, **kwargs)
+        store.remove = slow_remove
+        rm = asyncio.ensure_future(core.remove("a", force=True))
+        await asyncio.to_thread(removing.wait, 10)
+        rm.cancel()                                       # the caller goes away mid-way
+        go_on.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await rm
+        await _drained(core, tiers)
+        assert [a.name for a in store.list()] == []
+        assert tiers.state.device_pins == [] and tiers.gate.pinned == set() and tiers.gate.free == 2
+        _assert_pins_agree(tiers)
+        assert ("DELETED_FROM_DISK", "a") in _events(events)
+    asyncio.run(go())
+
+
+def test_a_pull_whose_caller_goes_away_during_the_install_still_announces_it_and_moves_the_pin(tmp_path):
+    """A new revision of device-pinned "a" is being installed (held at the store's
+    "store-installed" point) when the pull's caller goes away. The install stands; before the
+    fix nothing that follows an install happened: no DOWNLOADED_TO_DISK (a router's registry
+    never heard of it), the pin stayed on the old revision with no 'pin not moved' event, and
+    the old revision stayed in the engine."""
+    async def go():
+        core, store, tiers = _core(tmp_path, [_test_source("2")])
+        _stage_and_install(store, "a", b"revision one")
+        old_id = tiers.resolver.resolve("a").engine_id
+        await tiers.pin("a", "device")
+        events = core.events.subscribe()
+
+        async def client():
+            async with contextlib.aclosing(core.pull("test://a", name="a")) as stream:
+                async for _ in stream:
+                    pass
+        with testhooks.armed("store-installed") as point:
+            pull = asyncio.ensure_future(client())
+            await point.until_reached()
+            pull.cancel()                                  # the caller goes away during the install
+            await asyncio.sleep(0.05)
+            point.release()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pull
+        await _drained(core, tiers)
+        new_id = tiers.resolver.resolve("a").engine_id
+        assert new_id != old_id
+        assert ("DOWNLOADED_TO_DISK", "a") in _events(events)
+        assert tiers.held_pins() == {"a": ("device", new_id)}
+        _assert_pins_agree(tiers)
+        assert old_id not in tiers.engine.host
+    asyncio.run(go())
+
+
+def test_an_rm_during_a_pull_of_the_same_name_is_refused_and_the_events_end_as_the_disk_does(tmp_path):
+    """A new revision of "a" is between its object's install and its link swap when ``rm a``
+    comes. Before the fix the rm went through: it unlinked the old revision, the pull then
+    linked the new one and announced it, and the rm, still busy in the engine, announced
+    DELETED_FROM_DISK after that: "a" stood on disk while a registry fed by the events
+    withdrew it. Now the rm is refused while the name is being pulled (and a pull of a name
+    being removed waits for the rm)."""
+    async def go():
+        core, store, tiers = _core(tmp_path, [_test_source("2")])
+        _stage_and_install(store, "a", b"revision one")
+        await tiers.load("a")
+        events = core.events.subscribe()
+        released, hold = asyncio.Event(), asyncio.Event()
+        real_remove_adapter = tiers.engine.remove_adapter
+
+        async def remove_adapter(engine_id):                # the rm, busy in the engine for a while
+            if not released.is_set():
+                await hold.wait()
+            return await real_remove_adapter(engine_id)
+        tiers.engine.remove_adapter = remove_adapter
+
+        async def client():
+            async with contextlib.aclosing(core.pull("test://a", name="a")) as stream:
+                async for _ in stream:
+                    pass
+        with testhooks.armed("store-installed") as point:
+            pull = asyncio.ensure_future(client())
+            await point.until_reached()
+            rm = asyncio.ensure_future(core.remove("a"))
+            await asyncio.wait([rm], timeout=0.5)            # refused at once, or busy in the engine
+            released.set()
+            point.release()
+            await asyncio.wait_for(pull, timeout=10)
+        hold.set()
+        with contextlib.suppress(InvalidRequest):
+            await asyncio.wait_for(rm, timeout=10)
+        await _drained(core, tiers)
+        on_disk = "a" in [x.name for x in store.list()]
+        last = [k for k, n in _events(events) if n == "a" and k in ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK")][-1]
+        assert on_disk == (last == "DOWNLOADED_TO_DISK"), (on_disk, last)
+        assert on_disk
+    asyncio.run(go())
+
+
+def test_a_saved_pin_never_applied_claims_no_old_revision_when_its_move_fails(tmp_path):
+    """"a" was saved pinned to the device but its pin failed at start (the files changed while
+    the daemon was down). A new revision is pulled; its device pin fails too. Before the fix
+    the move had first recorded the pin as holding the old revision (id 1), which the engine
+    and the gate never held: every other name of that content was then refused 'pinned to the
+    device' (load --to host, evict) for nothing."""
+    from loractl.errors import LoractlError
+
+    state = PersistentState(tmp_path / "state.json")
+    state.device_pins = ["a"]
+    state.save()
+
+    async def go():
+        tiers = _tiers(tmp_path, max_loras=2, max_cpu_loras=3)   # the saved pin, never applied
+        tiers.resolver.refs["b"] = _Ref("b", 1)                  # b: a's old content
+        await _new_revision(tiers, "a", 9)
+        real_pin = tiers.engine.pin_adapter
+
+        async def pin_adapter(engine_id, *, device=False):
+            return False if engine_id == 9 else await real_pin(engine_id, device=device)
+        tiers.engine.pin_adapter = pin_adapter
+        with pytest.raises(LoractlError, match="the engine no longer holds it"):
+            await tiers.repin("a")
+        assert tiers.held_pins() == {} and tiers.gate.pinned == set()
+        assert (await tiers.load("b", "host")).tier == "host"
     asyncio.run(go())

@@ -104,6 +104,7 @@ class Core:
         self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
+        self._after_installs: set[asyncio.Task] = set()   # Core._installed's work, whoever waits for it
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -360,15 +361,27 @@ class Core:
         if not ref:
             raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
         with self._tracked("the daemon is shutting down; the pull was stopped (nothing was installed)"):
-            async with contextlib.aclosing(catalog.puller.pull(ref, name=name, revision=revision, force=force,
-                                                               token=token, endpoint=endpoint)) as events:
+            async with contextlib.aclosing(catalog.puller.pull(
+                    ref, name=name, revision=revision, force=force, token=token, endpoint=endpoint,
+                    installed=lambda done: self._installed(catalog, done))) as events:
                 async for event in events:
                     if event.adapter is not None:
                         _log.info("pull %s: %s", event.stage, event.message)
-                    if event.stage == "done":
-                        self.events.publish(Event("DOWNLOADED_TO_DISK", event.adapter.name, message=event.message))
-                        await self._replaced(catalog, event.adapter.name, event.previous)
                     yield event
+
+    async def _installed(self, catalog: Catalog, done: PullEvent) -> None:
+        """A pull installed ``done.adapter``: announce it and move what the replaced revision held
+        (:meth:`_replaced`), to the end even if the pull's caller goes away meanwhile (or went
+        away after the install): the new revision is on disk either way, and a router's
+        registry, fed by the events, must hear of it; a pin left on the old revision unannounced
+        would hold its place with nothing saying so."""
+        async def announce_and_replace() -> None:
+            self.events.publish(Event("DOWNLOADED_TO_DISK", done.adapter.name, message=done.message))
+            await self._replaced(catalog, done.adapter.name, done.previous)
+        task = asyncio.ensure_future(announce_and_replace())
+        self._after_installs.add(task)
+        task.add_done_callback(self._after_installs.discard)
+        await asyncio.shield(task)
 
     async def list_adapters(self) -> list[AdapterView]:
         catalog = await self._wait_catalog()
@@ -392,19 +405,36 @@ class Core:
         if name in tiers.pinned_names() and not force:
             raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
                                  "or remove it anyway with --force.")
-        unloaded = False
         ref = self._resolve_quietly(catalog, name)
-        with tiers.claimed(name):  # no pin of it starts or ends meanwhile
-            # The name goes first, so no new request resolves it; the folder stays while a request
-            # that resolved it earlier holds its lease: vLLM reloads an evicted adapter from disk
-            # mid-request, and a missing folder kills the engine core (found by bench/soak.py).
-            removed = await asyncio.to_thread(catalog.store.remove, name)
-            if ref is not None:
-                # Another name with the same content is the same adapter in the engine: keep it there.
-                shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
-                unloaded = await tiers.forget(name, ref, unload=not shared)
-                catalog.resolver.relabel(name, ref.engine_id, shared)
-        self.events.publish(Event("DELETED_FROM_DISK", name))
+        pulling = catalog.puller.lock(name)
+        if pulling.locked():
+            # Each would undo the other on disk, and their events could come in the other order
+            # (DELETED_FROM_DISK last while the new revision stands: a registry withdraws it).
+            raise InvalidRequest(f"{name!r} is being pulled", "Wait for the pull to finish, then remove it.")
+        with contextlib.ExitStack() as claim:
+            claim.enter_context(tiers.claimed(name))  # no pin of it starts or ends meanwhile (busy: refused now)
+            # From here the removal runs to its end even if its caller goes away (a cancelled
+            # RPC): cut short, it left the name gone from disk with its pin still recorded (a
+            # device pin's gate place held for good), and no DELETED_FROM_DISK (a router's
+            # registry kept advertising the adapter).
+            return await tiers.to_the_end(self._remove_claimed(catalog, tiers, name, ref, claim.pop_all()))
+
+    async def _remove_claimed(self, catalog: Catalog, tiers: Tiers, name: str, ref: AdapterRef | None,
+                              claim: contextlib.ExitStack) -> RemovedView:
+        unloaded = False
+        # The pull lock was free (checked above): a pull of the name now waits for the rm.
+        async with catalog.puller.lock(name):
+            with claim:
+                # The name goes first, so no new request resolves it; the folder stays while a
+                # request that resolved it earlier holds its lease: vLLM reloads an evicted adapter
+                # from disk mid-request, and a missing folder kills the engine core (bench/soak.py).
+                removed = await asyncio.to_thread(catalog.store.remove, name)
+                if ref is not None:
+                    # Another name with the same content is the same adapter in the engine: keep it.
+                    shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
+                    unloaded = await tiers.forget(name, ref, unload=not shared)
+                    catalog.resolver.relabel(name, ref.engine_id, shared)
+            self.events.publish(Event("DELETED_FROM_DISK", name))
         _log.info("removed %s (%s)", name, removed.path)
         return RemovedView(AdapterView.of(removed), unloaded)
 
@@ -492,7 +522,7 @@ class Core:
                 old_digest = files_digest(previous.manifest["files"])
                 old_id = catalog.resolver.id_for(old_digest)
                 try:
-                    await self.tiers.repin(name, old_id)
+                    await self.tiers.repin(name)
                 except LoractlError as e:  # the new revision is installed: the pull stands
                     _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
                     self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",

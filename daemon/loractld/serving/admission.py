@@ -20,7 +20,10 @@ Invariants:
 - A waiter that goes away (client gone, deadline, drain) leaves its queue at once; a place
   granted to it that it did not take is handed on at once. This holds for device pins too: a
   pin whose caller was cancelled is never granted, and one granted in the same loop turn as
-  its cancel gives its place back (tests/test_admission.py).
+  its cancel gives its place back (tests/test_admission.py) - through its caller where the
+  place may be shared (``give_back``: Tiers, two names of one content).
+- A pin of an adapter already pinned or active takes no new place, so it never waits for one;
+  nor does a queued request of an adapter pinned meanwhile.
 - A device pin waiting for a place goes first: while one waits, no adapter becomes active and
   active ones take no new requests (they drain, and free the place).
 - The policy only chooses; the bookkeeping above is the gate's, the same for every policy.
@@ -271,9 +274,14 @@ class Gate:
         self._pump()
 
     # -- device pins -------------------------------------------------------------------------
-    async def reserve(self, key: int) -> None:
+    async def reserve(self, key: int, *, give_back: bool = True) -> None:
         """Hold a place for ``key`` for good (a device pin); waits for one to free up. An
-        adapter already active keeps its place, now as a pin."""
+        adapter already active keeps its place, now as a pin.
+
+        ``give_back`` False: a caller cancelled after its place was granted gives it back itself
+        (:class:`~loractld.serving.tiers.Tiers` does, by what every name wants of ``key``): two
+        names of the same content share one place, and one's cancel must not take it from the
+        other's pin, which the gate cannot see."""
         if key in self.pinned:
             return
         if key in self.running or (self.free > 0 and not self._pin_waiters):
@@ -289,7 +297,8 @@ class Gate:
             # for us, so give it back. Not granted: the pump skips cancelled waiters, so ours may
             # still be queued, or already dropped by the pump; either way it holds no place.
             if waiter.done() and not waiter.cancelled():
-                self.unreserve(key)
+                if give_back:
+                    self.unreserve(key)
             else:
                 with contextlib.suppress(ValueError):
                     self._pin_waiters.remove((key, waiter))
@@ -305,20 +314,31 @@ class Gate:
     # -- the pump: every change ends here --------------------------------------------------
     def _pump(self) -> None:
         now = self.clock()
+        # A pin of an adapter already pinned (another name of the same content) or active takes
+        # no new place: granted at once, never left waiting (and holding every admission) for one.
+        for key, waiter in [w for w in self._pin_waiters if w[0] in self.pinned or w[0] in self.running]:
+            self._pin_waiters.remove((key, waiter))
+            if not waiter.done():
+                self.pinned.add(key)
+                waiter.set_result(None)
         while self._pin_waiters and self.free > 0:
             key, waiter = self._pin_waiters.pop(0)
             if waiter.done():
                 continue  # its caller was cancelled: a place granted now would never come back
             self.pinned.add(key)
             waiter.set_result(None)
+            for other in [w for w in self._pin_waiters if w[0] == key]:   # the same content: no place more
+                self._pin_waiters.remove(other)
+                if not other[1].done():
+                    other[1].set_result(None)
         progress = True
         while progress and self.queue:
             progress = False
-            if not self._pin_waiters:
-                for ticket in [t for t in self.queue if t.key in self.running or t.key in self.pinned]:
-                    if ticket.key in self.pinned or self.policy.may_join(self, ticket.key, now):
-                        self._admit(ticket)
-                        progress = True
+            # A pinned adapter's requests go in even while a pin waits: they take no place.
+            for ticket in [t for t in self.queue if t.key in self.running or t.key in self.pinned]:
+                if ticket.key in self.pinned or (not self._pin_waiters and self.policy.may_join(self, ticket.key, now)):
+                    self._admit(ticket)
+                    progress = True
             if self.free > 0 and not self._pin_waiters:
                 key = self.policy.next_adapter(self, now)
                 if key is not None and key not in self.running:

@@ -64,6 +64,7 @@ class Tiers:
         self._lock = asyncio.Lock()
         self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
         self._claim_ids: dict[str, int] = {}  # name -> the engine id a pin in progress is for
+        self._claim_owners: dict[str, object] = {}  # name -> the token of the command holding its claim
         self._finishing: set[asyncio.Task] = set()   # pin changes whose caller went away
         # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
@@ -232,6 +233,10 @@ class Tiers:
                 self._refuse_if_held_on_device(name, adapter.engine_id, "evict it")
             current = (await self.sync()).residency(adapter.engine_id)
             if current.pinned and source == "host":
+                holders = sorted(n for n, i in self._pinned_ids.items() if i == adapter.engine_id)
+                if holders and name not in holders:   # the pin is another name's, of the same content
+                    raise InvalidRequest(f"{name!r} has the same content as {holders[0]!r}, which is pinned",
+                                         f"To evict it, unpin that first: loractl unpin {holders[0]}")
                 raise InvalidRequest(f"{name!r} is pinned in host RAM", f"Unpin it first: loractl unpin {name}")
             if source == "device" and current.tier == "device":
                 self._reasons[(adapter.engine_id, "device")] = "explicit"
@@ -271,38 +276,55 @@ class Tiers:
         Until the engine is asked, a caller that goes away cancels the pin (its gate place goes
         back); from then on the pin is finished and recorded whatever the caller does
         (:meth:`_commit_pin`). A pin that held another revision, or the other tier, gives that up
-        once the new pin is recorded (:meth:`_settle_locked`).
+        once the new pin is recorded (:meth:`_settle_locked`); a host pin moving to a new
+        revision gives the old one up just before (the host-pin cap), and takes it back if the
+        new one fails. The name's claim is this pin's until it ends, and no other command's.
         """
         if to not in ("device", "host"):
             raise InvalidRequest(f"cannot pin to {to!r}", "Use --to host or --to device.")
         adapter = self.resolver.resolve(name)
         lease = self._lease(adapter)
+        try:
+            claim = self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
+        except BaseException:
+            lease.release()
+            raise
         handed_over = False   # to the commit, which then releases the claim and the lease
         try:
-            self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
             try:
                 await testhooks.pause("pin-claimed")
                 if to == "device":
-                    await self.gate.reserve(adapter.engine_id)
+                    # Given back by the settle below if cancelled: another name may share the place.
+                    await self.gate.reserve(adapter.engine_id, give_back=False)
                 await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
             except BaseException:
-                self._unclaim(name)
-                await self._to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
+                self._unclaim(name, claim)
+                await self.to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
                 raise
             handed_over = True
-            return await self._to_the_end(self._commit_pin(name, to, adapter, reason, lease))
+            return await self.to_the_end(self._commit_pin(name, to, adapter, reason, lease, claim))
         finally:
             if not handed_over:
-                self._unclaim(name)
+                self._unclaim(name, claim)
                 lease.release()
 
-    async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease) -> Residency:
+    async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease,
+                          claim: object) -> Residency:
         """Pin in the engine and record the pin, under the lock: no other tier operation sees
         the engine pinned and the records not, or the other way round."""
         engine_id = adapter.engine_id
         try:
             async with self._lock:
+                previous, was = self._pinned_ids.get(name), self.state.pin_of(name)
+                # A host pin moving to another id (a new revision) gives the old one up first: with
+                # both pinned for an engine call, host pins are one over their cap, and a step of
+                # max_loras unpinned adapters must evict one of its own. (A device pin's move is
+                # covered by the second gate place it reserved; a move between tiers by the caps.)
+                release_first = to == was == "host" and previous is not None and previous != engine_id
                 try:
+                    if release_first:
+                        del self._pinned_ids[name]
+                        await self._settle_locked(previous)
                     if not await self.engine.pin_adapter(engine_id, device=to == "device"):
                         # Evicted again between the load and the pin (a step's lazy load): once more.
                         await self.engine.add_adapter(adapter)
@@ -310,21 +332,32 @@ class Tiers:
                             raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
                                                "Retry; if it persists, see the daemon's log.")
                 except BaseException:
-                    self._unclaim(name)
+                    self._unclaim(name, claim)
                     await self._settle_locked(engine_id)
+                    if release_first and name not in self._pinned_ids:
+                        await self._restore_host_pin(name, previous)
                     raise
-                previous, was = self._pinned_ids.get(name), self.state.pin_of(name)
                 if was != to:
                     self.state.set_pin(name, to)
                 self._pinned_ids[name] = engine_id
-                self._unclaim(name)
+                self._unclaim(name, claim)
                 self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
-                if previous is not None and (previous != engine_id or was != to):
+                if previous is not None and (previous != engine_id or was != to) and not release_first:
                     await self._settle_locked(previous)   # the old revision, or the device pin left for host
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
             lease.release()
+
+    async def _restore_host_pin(self, name: str, engine_id: int) -> None:
+        """A host pin's move to a new revision failed after the old one was given up: pin the old
+        one again; if the engine no longer holds it, the name is recorded unpinned (one event)."""
+        if await self.engine.pin_adapter(engine_id, device=False):
+            self._pinned_ids[name] = engine_id
+            return
+        self.state.set_pin(name, "")
+        self.events.publish(Event("UNPINNED", name, reason="new revision",
+                                  message="the old revision left host RAM while the pin moved to the new one, which failed"))
 
     def _lease(self, adapter: AdapterRef):
         """Lease ``adapter``'s folder while an operation may load it into the engine: an ``rm`` or
@@ -335,13 +368,13 @@ class Tiers:
     def claimed(self, name: str):
         """Hold ``name`` against pins and unpins for the body (``rm``): a pin in progress would
         otherwise record a pin of a name that is gone."""
-        self._claim_pin(name, "", self.state.pin_of(name))
+        claim = self._claim_pin(name, "", self.state.pin_of(name))
         try:
             yield
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
 
-    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> None:
+    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> object:
         """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
         other pin can check between. Counts recorded pins and claims of pins in progress."""
         if name in self._claims:
@@ -364,9 +397,17 @@ class Tiers:
         self._claims[name] = to
         if engine_id is not None:
             self._claim_ids[name] = engine_id
+        claim = self._claim_owners[name] = object()
+        return claim   # the token that ends this claim, and no later one
 
-    def _unclaim(self, name: str) -> None:
-        """Idempotent: the claim ends where the work ends, which may be after its caller left."""
+    def _unclaim(self, name: str, claim: object) -> None:
+        """End ``claim`` (the token :meth:`_claim_pin` returned), if it is still ``name``'s.
+        Idempotent: the claim ends where the work ends, which may be after its caller left; by
+        then a later command may hold ``name``, and its claim is not this one's to end (a pin
+        refused as busy, or one that gave its claim up early, dropped it before)."""
+        if self._claim_owners.get(name) is not claim:
+            return
+        del self._claim_owners[name]
         self._claims.pop(name, None)
         self._claim_ids.pop(name, None)
 
@@ -399,9 +440,10 @@ class Tiers:
         if self._wanted(engine_id) != "device":   # a device pin of it claimed meanwhile keeps the place
             self.gate.unreserve(engine_id)
 
-    def _to_the_end(self, work: Awaitable):
+    def to_the_end(self, work: Awaitable):
         """Await ``work`` so that a caller that goes away (a cancelled RPC) cannot stop it halfway:
-        a change to the engine's pins and to their records is made whole, never in part."""
+        a change to the engine's pins and to their records (or an rm, ``Core.remove``) is made
+        whole, never in part."""
         task = asyncio.ensure_future(work)
         self._finishing.add(task)
         task.add_done_callback(self._finished)
@@ -417,16 +459,16 @@ class Tiers:
         current = self.state.pin_of(name)
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
-        self._claim_pin(name, "", current)
-        return await self._to_the_end(self._commit_unpin(name, adapter.engine_id))
+        claim = self._claim_pin(name, "", current)
+        return await self.to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
 
-    async def _commit_unpin(self, name: str, engine_id: int) -> Residency:
+    async def _commit_unpin(self, name: str, engine_id: int, claim: object) -> Residency:
         try:
             async with self._lock:
                 await self._drop_pin_locked(name, engine_id)
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name)
+            self._unclaim(name, claim)
 
     async def _drop_pin_locked(self, name: str, engine_id: int, reason: str = "") -> None:
         """Record ``name`` unpinned, then settle the id its pin held (``engine_id`` if none is
@@ -436,7 +478,7 @@ class Tiers:
         self.events.publish(Event("UNPINNED", name, reason=reason))
         await self._settle_locked(held)
 
-    async def repin(self, name: str, old_id: int) -> None:
+    async def repin(self, name: str) -> None:
         """A new revision of a pinned adapter was installed: move the pin over to it (the old
         revision's pin is given up once the new one is recorded)."""
         to = self.state.pin_of(name)
@@ -444,19 +486,25 @@ class Tiers:
             if name in self._claims:  # before anything moves: the pin stays on the old revision
                 raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                      f"Pin it again once that is done: loractl pin {name} --to {to}")
-            self._pinned_ids.setdefault(name, old_id)
+            # The old revision's pin, if applied, is in _pinned_ids (= old_id); a saved pin never
+            # applied (it failed at start) held nothing, and gives nothing up.
             await self.pin(name, to, reason="new revision")
 
     async def forget(self, name: str, adapter: AdapterRef, *, unload: bool = True) -> bool:
         """Before ``rm`` (which holds the name's claim): unpin and drop ``adapter`` from the
         engine. True if it was loaded. ``unload`` False: another name has the same content (the
-        same adapter in the engine), which stays loaded."""
+        same adapter in the engine), which stays loaded. So does an id another name's pin holds:
+        a pin that stayed on an old revision may hold this content with no other name of it on
+        disk, and vLLM drops a removed entry's pin without a word."""
         if self.state.pin_of(name):
-            await self._to_the_end(self._unpin_for_rm(name, adapter.engine_id))
+            await self.to_the_end(self._unpin_for_rm(name, adapter.engine_id))
         if not unload:
             self.usage.pop(name, None)
             return False
         async with self._lock:
+            if self.holds_pin(adapter.engine_id):   # asked under the lock: no pin commits meanwhile
+                self.usage.pop(name, None)
+                return False
             for tier in ("host", "device"):
                 self._reasons[(adapter.engine_id, tier)] = "rm"
             removed = await self.engine.remove_adapter(adapter.engine_id)

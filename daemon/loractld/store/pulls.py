@@ -21,7 +21,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,14 +61,19 @@ class Puller:
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
-                   token: str | None = None, endpoint: str | None = None) -> AsyncIterator[PullEvent]:
+                   token: str | None = None, endpoint: str | None = None,
+                   installed: Callable[[PullEvent], Awaitable[None]] | None = None) -> AsyncIterator[PullEvent]:
+        """Stream the pull's events. ``installed(done)`` runs once the adapter is installed, before
+        the ``done`` event, and also when the caller went away after the install (the store's
+        install cannot be called back): what follows an install (events, moving a pin to the new
+        revision) never depends on the caller staying."""
         if name:
             validate_name(name)
         source = pick_source(self.sources, ref)
         yield PullEvent("resolving", message=f"resolving {ref}")
         resolved = await asyncio.to_thread(source.resolve, ref, revision or None, token=token, endpoint=endpoint)
         name = name or resolved.default_name
-        lock = self._locks.setdefault(name, asyncio.Lock())
+        lock = self.lock(name)
         async with lock:
             current = self._current(name)
             if current and current.manifest.get("ref") == resolved.ref and \
@@ -77,10 +82,13 @@ class Puller:
                                 adapter=current)
                 return
             self.store.check_free_space(resolved.total_bytes)
-            async for event in self._run(source, resolved, name, force, token, endpoint):
-                if event.stage == "done":
-                    event.previous = current
+            async for event in self._run(source, resolved, name, force, token, endpoint, current, installed):
                 yield event
+
+    def lock(self, name: str) -> asyncio.Lock:
+        """Held by a pull of ``name`` from its resolve to its end (and by an rm of it: one of
+        them at a time, so their events come in the order their changes took)."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def _current(self, name: str) -> StoredAdapter | None:
         try:
@@ -88,7 +96,8 @@ class Puller:
         except Exception:
             return None
 
-    async def _run(self, source, resolved: Resolved, name: str, force: bool, token, endpoint):
+    async def _run(self, source, resolved: Resolved, name: str, force: bool, token, endpoint,
+                   current: StoredAdapter | None, installed):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -134,6 +143,10 @@ class Puller:
 
         future = loop.run_in_executor(None, work)
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        def done(adapter: StoredAdapter) -> PullEvent:
+            return PullEvent("done", message=f"pulled {name} at {resolved.revision[:12]}", adapter=adapter,
+                             previous=current)
+
         try:
             while (event := await queue.get()) is not None:
                 yield event
@@ -142,9 +155,15 @@ class Puller:
             cancel.set()  # the client went away: stop the download, keep holding the lock until it has
             with contextlib.suppress(BaseException):
                 await asyncio.wait([future])
-                future.exception()  # retrieved: its PullCancelled is expected, not a "never retrieved" traceback
+                if future.exception() is None and installed is not None:
+                    # Installed before the cancel reached the thread: the install stands, and so
+                    # does what follows it (``installed`` finishes it even if this is cut short).
+                    await installed(done(future.result()))
             raise
-        yield PullEvent("done", message=f"pulled {name} at {resolved.revision[:12]}", adapter=adapter)
+        event = done(adapter)
+        if installed is not None:
+            await installed(event)
+        yield event
 
 
 def installed_records(folder: Path, records: list[dict]) -> list[dict]:
