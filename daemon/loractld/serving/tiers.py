@@ -4,14 +4,8 @@ vLLM already keeps the two upper tiers (``max_cpu_loras`` host LRU, ``max_loras`
 slots) and pins in both; this module is the policy and the bookkeeping around them, never a
 parallel cache:
 
-- every operation acts on the engine, then re-reads the engine's true state (``sync``);
-  residency reported to users is that state, never this module's guess;
-- lifecycle events and metrics come from the worker's change journal (``worker_ext``), so
-  LRU evictions and lazy loads that vLLM does inside a step are reported too, each one, in
-  order, however seldom the state is read;
-- nothing on the request path reads the state: a request only marks the tiers as busy, and
-  a follower reads at most once per ``follow_interval_s`` while there is activity. At most
-  one read is in flight; callers that need a fresh state share the next one (``sync``);
+- every operation acts on the engine, then re-reads the engine's true state (``sync``, through
+  :mod:`loractld.serving.reader`, which owns the state as read and the events of its changes);
 - a host pin keeps an adapter in host RAM, never evicted there; host pins are capped at
   ``max_cpu_loras - max_loras`` so that every step of up to ``max_loras`` adapters still finds
   room in RAM (a host full of pins, or a step that must evict one of its own adapters, kills
@@ -21,7 +15,12 @@ parallel cache:
   taken before the engine pins, and given back only after the engine unpinned. Device pins
   are capped at ``max_loras - 1``, so other adapters always have a slot;
 - pins persist (``state.json``) and, with the preload list, are applied before the daemon
-  reports ready.
+  reports ready;
+- the engine's and the gate's pin of an engine id are what the names' recorded pins, and pins
+  in progress (:mod:`loractld.serving.claims`), want of it: names may share an id (the same
+  content), and a name's pin may hold an older revision than the name resolves to now;
+- a pin change that has asked the engine runs to its end and is recorded even if its caller
+  goes away (:meth:`Tiers.to_the_end`).
 
 The engine is passed in, so the policy can be driven by a fault-injecting stand-in in tests.
 """
@@ -39,7 +38,9 @@ from loractld.store.identity import AdapterRef, AdapterResolver
 from loractld.serving.admission import Gate
 from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
+from loractld.serving.claims import Claim, PinClaims
 from loractld.serving.pins import PersistentState
+from loractld.serving.reader import EngineStateReader
 from loractld.serving.residency import EngineState, Residency, TierEngine, Usage
 
 _log = logging.getLogger("loractld.tiers")
@@ -59,101 +60,33 @@ class Tiers:
         self.max_pins = max(0, max_cpu_loras - max_loras)
         self.max_device_pins = max(0, max_loras - 1)
         self.usage: dict[str, Usage] = {}
-        self._last = EngineState()
-        self._reasons: dict[tuple[int, str], str] = {}   # (id, tier) -> why it is about to leave/arrive
         self._lock = asyncio.Lock()
-        self._claims: dict[str, str] = {}   # name -> "host"/"device"/"" : a pin or unpin in progress
-        self._claim_ids: dict[str, int] = {}  # name -> the engine id a pin in progress is for
-        self._claim_owners: dict[str, object] = {}  # name -> the token of the command holding its claim
+        self.claims = PinClaims(state, max_pins=self.max_pins, max_device_pins=self.max_device_pins)
         self._finishing: set[asyncio.Task] = set()   # pin changes whose caller went away
         # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
         # what the name resolves to now. Unpins release this id, never a re-resolved one.
         self._pinned_ids: dict[str, int] = {}
-        self._seq = -1                      # the last journal record applied; -1: none read yet
-        self._asked = self._answered = 0    # sync tickets handed out / covered by a finished read
-        self._read: asyncio.Future | None = None
-        self.follow_interval_s = follow_interval_s
-        self._activity = asyncio.Event()
-        self._follower: asyncio.Task | None = None
+        self.reader = EngineStateReader(engine, self._label, events, metrics, follow_interval_s=follow_interval_s)
 
-    # -- reading ------------------------------------------------------------------------
+    # -- the engine's state, read by the reader -------------------------------------------
     async def sync(self) -> EngineState:
-        """The engine's state as read by a read that began after this call; publish what
-        changed. Concurrent callers share reads: at most one is in flight at any time."""
-        self._asked += 1
-        ticket = self._asked
-        while self._answered < ticket:
-            if self._read is None:
-                self._read = asyncio.ensure_future(self._read_state(self._asked))
-            # Shielded: a caller that goes away must not cancel the read others wait for.
-            await asyncio.shield(self._read)
-        return self._last
-
-    async def _read_state(self, covers: int) -> None:
-        try:
-            raw = await self.engine.lora_state(self._seq)
-            self._apply(raw)
-            self._answered = max(self._answered, covers)
-        finally:
-            self._read = None
-
-    def _apply(self, raw: dict) -> None:
-        now = EngineState.from_worker(raw)
-        before, self._last = self._last, now
-        if self._seq >= 0 and raw.get("journal_complete", False):
-            changes = [(tier, direction, engine_id) for _, tier, direction, engine_id in raw.get("changes", [])]
-        else:  # the first read, or a journal that overflowed: fall back to the difference
-            changes = [(tier, "out", i) for tier, old, new in (("device", before.device, now.device),
-                                                               ("host", before.host, now.host)) for i in old if i not in new]
-            changes += [(tier, "in", i) for tier, old, new in (("host", before.host, now.host),
-                                                              ("device", before.device, now.device)) for i in new if i not in old]
-        self._seq = int(raw.get("seq", -1))
-        for tier, direction, engine_id in changes:
-            if direction == "in":
-                reason = self._reasons.pop((engine_id, tier), "lazy")
-                self.events.publish(Event(f"LOADED_TO_{tier.upper()}", self._label(engine_id), reason=reason))
-                if reason == "lazy":
-                    self.metrics.inc("loractl_adapter_loads_total", (("tier", tier),))
-            else:
-                reason = self._reasons.pop((engine_id, tier), "lru")
-                kind = "EVICTED_FROM_HOST" if tier == "host" else "UNLOADED_FROM_DEVICE"
-                self.events.publish(Event(kind, self._label(engine_id), reason=reason))
-                self.metrics.inc("loractl_adapter_evictions_total", (("reason", reason), ("tier", tier)))
-        for tier, ids in (("host", now.host), ("device", now.device)):
-            self.metrics.set("loractl_tier_adapters", (("tier", tier),), len(ids))
-            self.metrics.set("loractl_tier_bytes", (("tier", tier),), sum(now.host_bytes.get(i, 0) for i in ids))
-
-    # -- following the engine while requests run ------------------------------------------
-    def note_activity(self) -> None:
-        """A request that may load or evict adapters started or ended: read the state soon."""
-        self._activity.set()
-
-    def start_following(self) -> None:
-        self._follower = asyncio.create_task(self._follow())
-
-    def stop_following(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-
-    async def _follow(self) -> None:
-        while True:
-            await self._activity.wait()
-            # Coalesce: every request that starts or ends within the interval shares one read.
-            await asyncio.sleep(self.follow_interval_s)
-            self._activity.clear()
-            try:
-                await self.sync()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - a dead engine is the watchdog's business
-                _log.debug("tier state read failed", exc_info=True)
+        """The engine's state as read by a read that began after this call (shared reads)."""
+        return await self.reader.sync()
 
     @property
     def last_state(self) -> EngineState:
-        """The state as of the last read (no read now): for replies right after an operation,
-        which ends with a read of its own."""
-        return self._last
+        """The state as of the last read (no read now)."""
+        return self.reader.last_state
+
+    def note_activity(self) -> None:
+        self.reader.note_activity()
+
+    def start_following(self) -> None:
+        self.reader.start_following()
+
+    def stop_following(self) -> None:
+        self.reader.stop_following()
 
     def _label(self, engine_id: int) -> str:
         return self.resolver.label_of(engine_id) or f"#{engine_id}"
@@ -195,11 +128,11 @@ class Tiers:
                     self._refuse_if_held_on_device(name, adapter.engine_id, "move it to host RAM")
                 usage = self.usage.setdefault(name, Usage())
                 usage.state, usage.error = "loading", ""
-                before = self._last.residency(adapter.engine_id)
+                before = self.reader.last_state.residency(adapter.engine_id)
                 began = time.perf_counter()
                 try:
                     for tier in ("host", "device"):
-                        self._reasons[(adapter.engine_id, tier)] = reason
+                        self.reader.expect(adapter.engine_id, tier, reason)
                     await self.engine.add_adapter(adapter)
                     if to == "host":
                         await self.engine.deactivate_adapter(adapter.engine_id)
@@ -217,7 +150,7 @@ class Tiers:
                     self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
                     self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
                 state = await self.sync()
-                self._reasons.clear()
+                self.reader.clear_expected()
                 return state.residency(adapter.engine_id)
         finally:
             lease.release()
@@ -239,14 +172,14 @@ class Tiers:
                                          f"To evict it, unpin that first: loractl unpin {holders[0]}")
                 raise InvalidRequest(f"{name!r} is pinned in host RAM", f"Unpin it first: loractl unpin {name}")
             if source == "device" and current.tier == "device":
-                self._reasons[(adapter.engine_id, "device")] = "explicit"
+                self.reader.expect(adapter.engine_id, "device", "explicit")
                 await self.engine.deactivate_adapter(adapter.engine_id)
             elif source == "host" and current.tier != "disk":
                 for tier in ("host", "device"):
-                    self._reasons[(adapter.engine_id, tier)] = "explicit"
+                    self.reader.expect(adapter.engine_id, tier, "explicit")
                 await self.engine.remove_adapter(adapter.engine_id)
             state = await self.sync()
-            self._reasons.clear()
+            self.reader.clear_expected()
             return state.residency(adapter.engine_id)
 
     def _refuse_if_held_on_device(self, name: str, engine_id: int, action: str) -> None:
@@ -271,7 +204,7 @@ class Tiers:
         A device pin first takes a place at the admission gate, which can wait for the
         adapters now running to finish their requests (new ones queue meanwhile).
 
-        The caps are checked and a claim recorded with no await between (:meth:`_claim_pin`):
+        The caps are checked and a claim recorded with no await between (:meth:`PinClaims.take`):
         of two pins racing for the last place, exactly one gets it, the other a clear error.
         Until the engine is asked, a caller that goes away cancels the pin (its gate place goes
         back); from then on the pin is finished and recorded whatever the caller does
@@ -285,7 +218,7 @@ class Tiers:
         adapter = self.resolver.resolve(name)
         lease = self._lease(adapter)
         try:
-            claim = self._claim_pin(name, to, self.state.pin_of(name), adapter.engine_id)
+            claim = self.claims.take(name, to, self.state.pin_of(name), adapter.engine_id)
         except BaseException:
             lease.release()
             raise
@@ -298,18 +231,18 @@ class Tiers:
                     await self.gate.reserve(adapter.engine_id, give_back=False)
                 await self.load(name, "device", reason=reason, adapter=adapter)  # this revision
             except BaseException:
-                self._unclaim(name, claim)
+                self.claims.end(claim)
                 await self.to_the_end(self._settle(adapter.engine_id))  # a place taken above goes back
                 raise
             handed_over = True
             return await self.to_the_end(self._commit_pin(name, to, adapter, reason, lease, claim))
         finally:
             if not handed_over:
-                self._unclaim(name, claim)
+                self.claims.end(claim)
                 lease.release()
 
     async def _commit_pin(self, name: str, to: str, adapter: AdapterRef, reason: str, lease,
-                          claim: object) -> Residency:
+                          claim: Claim) -> Residency:
         """Pin in the engine and record the pin, under the lock: no other tier operation sees
         the engine pinned and the records not, or the other way round."""
         engine_id = adapter.engine_id
@@ -332,7 +265,7 @@ class Tiers:
                             raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
                                                "Retry; if it persists, see the daemon's log.")
                 except BaseException:
-                    self._unclaim(name, claim)
+                    self.claims.end(claim)
                     await self._settle_locked(engine_id)
                     if release_first and name not in self._pinned_ids:
                         await self._restore_host_pin(name, previous)
@@ -340,13 +273,13 @@ class Tiers:
                 if was != to:
                     self.state.set_pin(name, to)
                 self._pinned_ids[name] = engine_id
-                self._unclaim(name, claim)
+                self.claims.end(claim)
                 self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
                 if previous is not None and (previous != engine_id or was != to) and not release_first:
                     await self._settle_locked(previous)   # the old revision, or the device pin left for host
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name, claim)
+            self.claims.end(claim)
             lease.release()
 
     async def _restore_host_pin(self, name: str, engine_id: int) -> None:
@@ -368,48 +301,11 @@ class Tiers:
     def claimed(self, name: str):
         """Hold ``name`` against pins and unpins for the body (``rm``): a pin in progress would
         otherwise record a pin of a name that is gone."""
-        claim = self._claim_pin(name, "", self.state.pin_of(name))
+        claim = self.claims.take(name, "", self.state.pin_of(name))
         try:
             yield
         finally:
-            self._unclaim(name, claim)
-
-    def _claim_pin(self, name: str, to: str, current: str, engine_id: int | None = None) -> object:
-        """Check the pin caps for ``name`` going ``to`` and claim the place: synchronous, so no
-        other pin can check between. Counts recorded pins and claims of pins in progress."""
-        if name in self._claims:
-            raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
-                                 "Wait for it to finish, then retry.")
-        if to and to != current:
-            held = {n for n in (self.state.pins if to == "host" else self.state.device_pins)}
-            held |= {n for n, t in self._claims.items() if t == to}
-            held.discard(name)
-            if to == "host" and len(held) >= self.max_pins:
-                raise InvalidRequest(
-                    f"cannot pin {name!r} in host RAM: {len(held)} of at most {self.max_pins} host pins are in use "
-                    f"(max_cpu_loras - max_loras: host RAM must keep room for a full step of other adapters)",
-                    "Unpin one (loractl unpin NAME), or restart the daemon with a larger --max-cpu-loras.")
-            if to == "device" and len(held) >= self.max_device_pins:
-                raise InvalidRequest(
-                    f"cannot pin {name!r} to the device: {len(held)} of at most {self.max_device_pins} device pins "
-                    f"are in use (max_loras - 1: other adapters need a slot)",
-                    "Unpin one (loractl unpin NAME), pin it --to host, or restart with a larger --max-loras.")
-        self._claims[name] = to
-        if engine_id is not None:
-            self._claim_ids[name] = engine_id
-        claim = self._claim_owners[name] = object()
-        return claim   # the token that ends this claim, and no later one
-
-    def _unclaim(self, name: str, claim: object) -> None:
-        """End ``claim`` (the token :meth:`_claim_pin` returned), if it is still ``name``'s.
-        Idempotent: the claim ends where the work ends, which may be after its caller left; by
-        then a later command may hold ``name``, and its claim is not this one's to end (a pin
-        refused as busy, or one that gave its claim up early, dropped it before)."""
-        if self._claim_owners.get(name) is not claim:
-            return
-        del self._claim_owners[name]
-        self._claims.pop(name, None)
-        self._claim_ids.pop(name, None)
+            self.claims.end(claim)
 
     def holds_pin(self, engine_id: int) -> bool:
         """Whether a name's pin, recorded or in progress, holds ``engine_id`` (which must then
@@ -421,7 +317,7 @@ class Tiers:
         engine id (same content), and a name's pin may hold an older revision than it resolves
         to, so this is asked of the records by id, never of one name."""
         kinds = {self.state.pin_of(n) for n, i in self._pinned_ids.items() if i == engine_id}
-        kinds |= {t for n, t in self._claims.items() if self._claim_ids.get(n) == engine_id}
+        kinds |= self.claims.pins_of(engine_id)
         return "device" if "device" in kinds else "host" if "host" in kinds else ""
 
     async def _settle(self, engine_id: int) -> None:
@@ -459,16 +355,16 @@ class Tiers:
         current = self.state.pin_of(name)
         if not current:
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
-        claim = self._claim_pin(name, "", current)
+        claim = self.claims.take(name, "", current)
         return await self.to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
 
-    async def _commit_unpin(self, name: str, engine_id: int, claim: object) -> Residency:
+    async def _commit_unpin(self, name: str, engine_id: int, claim: Claim) -> Residency:
         try:
             async with self._lock:
                 await self._drop_pin_locked(name, engine_id)
                 return (await self.sync()).residency(engine_id)
         finally:
-            self._unclaim(name, claim)
+            self.claims.end(claim)
 
     async def _drop_pin_locked(self, name: str, engine_id: int, reason: str = "") -> None:
         """Record ``name`` unpinned, then settle the id its pin held (``engine_id`` if none is
@@ -483,7 +379,7 @@ class Tiers:
         revision's pin is given up once the new one is recorded)."""
         to = self.state.pin_of(name)
         if to:
-            if name in self._claims:  # before anything moves: the pin stays on the old revision
+            if self.claims.busy(name):  # before anything moves: the pin stays on the old revision
                 raise InvalidRequest(f"{name!r} is busy with another command (pin, unpin or rm)",
                                      f"Pin it again once that is done: loractl pin {name} --to {to}")
             # The old revision's pin, if applied, is in _pinned_ids (= old_id); a saved pin never
@@ -506,10 +402,10 @@ class Tiers:
                 self.usage.pop(name, None)
                 return False
             for tier in ("host", "device"):
-                self._reasons[(adapter.engine_id, tier)] = "rm"
+                self.reader.expect(adapter.engine_id, tier, "rm")
             removed = await self.engine.remove_adapter(adapter.engine_id)
             await self.sync()
-            self._reasons.clear()
+            self.reader.clear_expected()
             self.usage.pop(name, None)
             return removed
 
