@@ -1,0 +1,161 @@
+"""The disk tier's operations of :class:`loractld.core.Core`: pull, list, show and remove, and
+what a new revision changes in the engine (its pin moved, the old revision dropped).
+
+A part of ``Core`` (a base class of it), in its own module only to keep each readable in one
+sitting: it uses Core's catalog, tiers, engine, events and request bookkeeping. Invariants, on
+top of Core's:
+
+- what follows an install (``DOWNLOADED_TO_DISK``, the pin moved to the new revision, the old
+  revision dropped from the engine) runs to its end whoever waits for it: a router's registry
+  fed by the events must hear of every install;
+- an ``rm`` that holds the name's claim runs to its end even if its caller goes away: the name
+  never ends gone from disk with its pin still recorded or no ``DELETED_FROM_DISK``;
+- an ``rm`` and a pull of one name take turns (the puller's per-name lock), so their events
+  come in the order their changes took;
+- an engine id stays in the engine while another name with its content, or a pin, holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from loractl.errors import InvalidRequest, LoractlError
+from loractld.events import Event
+from loractld.views import AdapterView, RemovedView
+
+if TYPE_CHECKING:
+    from loractld.core import Catalog
+    from loractld.serving.tiers import Tiers
+    from loractld.store.disk import StoredAdapter
+    from loractld.store.identity import AdapterRef
+    from loractld.store.pulls import PullEvent
+
+_log = logging.getLogger("loractld.core")
+
+
+class DiskOps:
+    async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
+                   token: str | None = None, endpoint: str | None = None) -> AsyncIterator[PullEvent]:
+        catalog = await self._wait_catalog()
+        if not ref:
+            raise InvalidRequest("nothing to pull", "Give a Hub id (org/repo), hf://org/repo, or a folder.")
+        with self._tracked("the daemon is shutting down; the pull was stopped (nothing was installed)"):
+            async with contextlib.aclosing(catalog.puller.pull(
+                    ref, name=name, revision=revision, force=force, token=token, endpoint=endpoint,
+                    installed=lambda done: self._installed(catalog, done))) as events:
+                async for event in events:
+                    if event.adapter is not None:
+                        _log.info("pull %s: %s", event.stage, event.message)
+                    yield event
+
+    async def _installed(self, catalog: Catalog, done: PullEvent) -> None:
+        """A pull installed ``done.adapter``: announce it and move what the replaced revision held
+        (:meth:`_replaced`), to the end even if the pull's caller goes away meanwhile (or went
+        away after the install): the new revision is on disk either way, and a router's
+        registry, fed by the events, must hear of it; a pin left on the old revision unannounced
+        would hold its place with nothing saying so."""
+        async def announce_and_replace() -> None:
+            self.events.publish(Event("DOWNLOADED_TO_DISK", done.adapter.name, message=done.message))
+            await self._replaced(catalog, done.adapter.name, done.previous)
+        task = asyncio.ensure_future(announce_and_replace())
+        self._after_installs.add(task)
+        task.add_done_callback(self._after_installs.discard)
+        await asyncio.shield(task)
+
+    async def list_adapters(self) -> list[AdapterView]:
+        catalog = await self._wait_catalog()
+        adapters = await asyncio.to_thread(catalog.store.list)
+        state = await self.tiers.sync() if self.tiers else None
+        return [self._described(catalog, a, state) for a in adapters]
+
+    async def show(self, name: str) -> AdapterView:
+        catalog = await self._wait_catalog()
+        adapter = await asyncio.to_thread(catalog.store.get, name)
+        state = await self.tiers.sync() if self.tiers else None
+        return self._described(catalog, adapter, state)
+
+    async def remove(self, name: str, *, force: bool = False) -> RemovedView:
+        catalog = await self._wait_catalog()
+        catalog.store.get(name)  # AdapterNotFound before anything else
+        if self._serving[name] > 0:
+            raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",
+                                 "Wait for them to finish, then remove it.")
+        _, tiers = await self._wait_engine()
+        if name in tiers.pinned_names() and not force:
+            raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
+                                 "or remove it anyway with --force.")
+        ref = self._resolve_quietly(catalog, name)
+        pulling = catalog.puller.lock(name)
+        if pulling.locked():
+            # Each would undo the other on disk, and their events could come in the other order
+            # (DELETED_FROM_DISK last while the new revision stands: a registry withdraws it).
+            raise InvalidRequest(f"{name!r} is being pulled", "Wait for the pull to finish, then remove it.")
+        with contextlib.ExitStack() as claim:
+            claim.enter_context(tiers.claimed(name))  # no pin of it starts or ends meanwhile (busy: refused now)
+            # From here the removal runs to its end even if its caller goes away (a cancelled
+            # RPC): cut short, it left the name gone from disk with its pin still recorded (a
+            # device pin's gate place held for good), and no DELETED_FROM_DISK (a router's
+            # registry kept advertising the adapter).
+            return await tiers.to_the_end(self._remove_claimed(catalog, tiers, name, ref, claim.pop_all()))
+
+    async def _remove_claimed(self, catalog: Catalog, tiers: Tiers, name: str, ref: AdapterRef | None,
+                              claim: contextlib.ExitStack) -> RemovedView:
+        unloaded = False
+        # The pull lock was free (checked above): a pull of the name now waits for the rm.
+        async with catalog.puller.lock(name):
+            with claim:
+                # The name goes first, so no new request resolves it; the folder stays while a
+                # request that resolved it earlier holds its lease: vLLM reloads an evicted adapter
+                # from disk mid-request, and a missing folder kills the engine core (bench/soak.py).
+                removed = await asyncio.to_thread(catalog.store.remove, name)
+                if ref is not None:
+                    # Another name with the same content is the same adapter in the engine: keep it.
+                    shared = await asyncio.to_thread(self._other_names_of, catalog, ref.digest)
+                    unloaded = await tiers.forget(name, ref, unload=not shared)
+                    catalog.resolver.relabel(name, ref.engine_id, shared)
+            self.events.publish(Event("DELETED_FROM_DISK", name))
+        _log.info("removed %s (%s)", name, removed.path)
+        return RemovedView(AdapterView.of(removed), unloaded)
+
+    # -- helpers --------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_quietly(catalog: Catalog, name: str) -> AdapterRef | None:
+        try:
+            return catalog.resolver.resolve(name)
+        except LoractlError:
+            return None
+
+    async def _replaced(self, catalog: Catalog, name: str, previous: StoredAdapter | None) -> None:
+        """After a new revision of ``name`` is installed: move its pin over, drop the old
+        revision from the engine unless a running request still uses it, delete its folder
+        once nothing uses it."""
+        from loractld.store.disk import files_digest
+
+        try:
+            if previous is not None and previous.manifest.get("files") and self.tiers is not None and \
+                    self.engine is not None:
+                old_digest = files_digest(previous.manifest["files"])
+                old_id = catalog.resolver.id_for(old_digest)
+                try:
+                    await self.tiers.repin(name)
+                except LoractlError as e:  # the new revision is installed: the pull stands
+                    _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
+                    self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",
+                                              reason="new revision"))
+                if not catalog.store.leases.held(previous.path) and not self.tiers.holds_pin(old_id) and \
+                        not await asyncio.to_thread(self._other_names_of, catalog, old_digest):
+                    await self.engine.remove_adapter(old_id)
+        finally:
+            await asyncio.to_thread(catalog.store.collect_garbage)
+
+    @staticmethod
+    def _other_names_of(catalog: Catalog, digest: str) -> list[str]:
+        """Stored names whose content is ``digest`` (they share one adapter in the engine)."""
+        from loractld.store.disk import files_digest
+
+        return [a.name for a in catalog.store.list() if a.manifest.get("files") and
+                files_digest(a.manifest["files"]) == digest]
