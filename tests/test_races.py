@@ -435,9 +435,28 @@ async def _new_revision(tiers: Tiers, name: str, engine_id: int) -> None:
     tiers.resolver.refs[name] = _Ref(name, engine_id)
 
 
+_BESIDE: set[asyncio.Task] = set()   # commands running beside a cancelled one (held: tasks are weakly kept)
+
+
+async def _pin_beside_loads(tiers: Tiers) -> None:
+    """A device pin while other commands keep the tiers' lock busy (the storm's case): only then
+    does the pin wait for the lock between asking the engine and recording what it did."""
+    async def trickle() -> None:   # a load queued for the lock at every turn, whichever the pin is at
+        for turn in range(40):
+            task = asyncio.ensure_future(tiers.load("bc"[turn % 2], "host"))
+            _BESIDE.add(task)
+            task.add_done_callback(_BESIDE.discard)
+            await asyncio.sleep(0)
+    keep = asyncio.ensure_future(trickle())   # not cancelled with the pin
+    _BESIDE.add(keep)
+    keep.add_done_callback(_BESIDE.discard)
+    await tiers.pin("a", "device")
+
+
 # (setup, the change cancelled, what follows it): the setup and what follows are never cancelled.
 _CHANGES = {
     "pin device": ([], lambda t: t.pin("a", "device")),
+    "pin device beside loads": ([], _pin_beside_loads),
     "host to device": ([lambda t: t.pin("a", "host")], lambda t: t.pin("a", "device")),
     "device to host": ([lambda t: t.pin("a", "device")], lambda t: t.pin("a", "host")),
     "new revision": ([lambda t: t.pin("a", "device"), lambda t: _new_revision(t, "a", 9)],
@@ -458,7 +477,8 @@ def test_a_pin_change_cancelled_at_any_await_leaves_records_gate_and_engine_agre
     or pin move: afterwards the records, the gate and the engine agree, and a pin of another
     adapter then gets the places the caps promise. Before the fix a pin cancelled after the
     engine pinned held its gate place and slot unrecorded (the storm's 'gate holds 2 of 2
-    places for pins'), and pinning a new revision again kept the old one pinned for good."""
+    places for pins': the "beside loads" case, where other commands keep the lock busy), and
+    pinning a new revision again kept the old one pinned for good."""
     setup, cancelled = _CHANGES[change]
 
     async def go(steps: int) -> bool:
