@@ -49,7 +49,7 @@ from loractld.store import ondemand
 from loractld.models.naming import relabel_model
 from loractld.startup import StartupProgress
 from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted  # noqa: F401 - the doors take them from here
-from loractld.disk_ops import DiskOps
+from loractld.core.disk_ops import DiskOps
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RequestView,
                             StartupView, StatusView)
 
@@ -80,7 +80,7 @@ class Catalog:
 
 class Core(DiskOps):
     """The daemon's state (catalog, engine, tiers, events, metrics, work in flight) and its
-    operations (the disk tier's in :class:`~loractld.disk_ops.DiskOps`); the front ends hold no
+    operations (the disk tier's in :class:`~loractld.core.disk_ops.DiskOps`); the front ends hold no
     state of their own beyond their connections."""
 
     def __init__(self, *, socket_path: str, home: str, served_model_name: str = "") -> None:
