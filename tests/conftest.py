@@ -338,3 +338,18 @@ async def collect(client: Client, **kwargs) -> dict:
         result["finish"] = chunk.finish_reason or result["finish"]
         result["adapter"] = chunk.adapter or result["adapter"]
     return result
+
+
+def add_bos(model: Path) -> int:
+    """Make the tokenizer in ``model`` add BOS (``<s>``) as a base model's does; returns its id."""
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    bos = [t["id"] for t in tokenizer["added_tokens"] if t["content"] == "<s>"][0]
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
+    }
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return bos

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from conftest import ENGINE_FLAGS, Reference, collect, run_cli, start_daemon
+from conftest import ENGINE_FLAGS, Reference, add_bos, collect, run_cli, start_daemon
 from test_errors import assert_one_error
 from loractl.errors import InvalidRequest
 
@@ -31,16 +31,7 @@ def short_model(demo, tmp_path_factory):
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = CONTEXT
     (model / "config.json").write_text(json.dumps(config))
-    tokenizer = json.loads((model / "tokenizer.json").read_text())
-    bos = tokenizer["added_tokens"][[t["content"] for t in tokenizer["added_tokens"]].index("<s>")]["id"]
-    tokenizer["post_processor"] = {
-        "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-        "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                 {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<s>": {"id": "<s>", "ids": [bos], "tokens": ["<s>"]}},
-    }
-    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    bos = add_bos(model)
     (model / "chat_template.jinja").unlink()  # a base model: no chat template
     return model, bos
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -345,6 +346,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
             core.startup.finish()
+            _freeze_startup_heap()
             tiers.start_following()
             dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
@@ -406,3 +408,15 @@ async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> Non
             return
         systemd.notify("WATCHDOG=1")
         await asyncio.sleep(interval)
+
+
+def _freeze_startup_heap() -> None:
+    """Move what start-up allocated (vLLM, torch, transformers: millions of objects) out of the
+    garbage collector's sight, as vLLM's own server does once it is up (``freeze_gc_heap``):
+    otherwise each full collection walks all of it while requests wait on the event loop.
+    ``LORACTL_GC_FREEZE=0`` keeps the collector as it was (benchmarks' control)."""
+    if os.environ.get("LORACTL_GC_FREEZE", "1") == "0":
+        return
+    gc.collect()
+    gc.freeze()
+

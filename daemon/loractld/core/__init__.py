@@ -41,6 +41,7 @@ from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
 from loractld import testhooks
 from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
+from loractld.serving.finishing import Finishing
 from loractld.serving.signals import scheduler_series
 from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
 from loractld.events import Event, EventBus, Metrics
@@ -106,7 +107,7 @@ class Core(DiskOps):
         self.engine_died = False
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
-        self._after_installs: set[asyncio.Task] = set()   # Core._installed's work, whoever waits for it
+        self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:

@@ -61,10 +61,7 @@ class DiskOps:
         async def announce_and_replace() -> None:
             self.events.publish(Event("DOWNLOADED_TO_DISK", done.adapter.name, message=done.message))
             await self._replaced(catalog, done.adapter.name, done.previous)
-        task = asyncio.ensure_future(announce_and_replace())
-        self._after_installs.add(task)
-        task.add_done_callback(self._after_installs.discard)
-        await asyncio.shield(task)
+        await self._after_installs(announce_and_replace())
 
     async def list_adapters(self) -> list[AdapterView]:
         catalog = await self._wait_catalog()

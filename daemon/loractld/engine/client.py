@@ -27,7 +27,7 @@ from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
 from loractld import killpoints
-from loractld.engine import compat
+from loractld.engine import compat, tokens
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
@@ -180,6 +180,7 @@ class Engine:
         self.start_seconds = start_seconds
         self.kv_cache_bytes: int | None = settings.kv_cache_bytes  # as sized at start (None: by vLLM)
         self._tokenizer = llm.get_tokenizer()
+        self._encode_text = tokens.encoder(self._tokenizer)
         # Rendering a chat template and tokenizing take milliseconds of pure Python/Rust work;
         # on the event loop they would stall every stream the daemon serves. One thread, as
         # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
@@ -200,6 +201,7 @@ class Engine:
     async def start(cls, settings: EngineSettings) -> Engine:
         began = time.monotonic()
         device = resolve_device(settings.device)
+        compat.uncache_vllm_environment()  # this start's settings (below) must be the ones read
         _prepare_environment(device, settings.cpu_fixes)
         worker_ext.install()  # for a worker vLLM might run in this process
         if device == "cpu" and settings.cpu_fixes:
@@ -245,6 +247,7 @@ class Engine:
                 f"the engine failed to start for model {settings.model!r}: {e}",
                 "Check the model path and the flags; LORACTL_DEBUG=1 shows the traceback.",
             ) from e
+        compat.cache_vllm_environment()
         engine = cls(llm, settings, device, dtype, time.monotonic() - began)
         engine.kv_cache_bytes = kv_bytes
         _log.info("engine up in %.1f s (vllm %s, %s, %s); context %d tokens%s, up to %d sequences a step",
@@ -283,12 +286,12 @@ class Engine:
                 f"the model's chat template could not render these messages: {first_line}",
                 "Send a raw prompt instead (loractl run --raw).",
             ) from e
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return self._encode_text(text, False)
 
     def _encode(self, prompt: str) -> list[int]:
         # The tokenizer's own special tokens, as vLLM and HF add them by default: a model whose
         # tokenizer adds BOS answers in loops without it.
-        return list(self._tokenizer.encode(prompt))
+        return self._encode_text(prompt, True)
 
     def _lora_request(self, adapter: AdapterRef):
         from vllm.lora.request import LoRARequest
@@ -341,7 +344,7 @@ class Engine:
         engine_ids: list[str] = []
         try:
             async for out in self._llm.generate(
-                {"prompt_token_ids": prompt_token_ids}, params, request_id, lora_request=lora_request
+                compat.token_prompt(prompt_token_ids), params, request_id, lora_request=lora_request
             ):
                 if first:
                     engine_ids = self._engine_request_ids(request_id)

@@ -71,3 +71,39 @@ def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, p
         raise EngineUnavailable(f"this vLLM's LoRARequest lacks {', '.join(missing)}",
                                 "Install vllm 0.26 to 0.32.")
     return wanted
+
+
+def token_prompt(prompt_token_ids: list[int]) -> dict:
+    """The prompt as handed to ``AsyncLLM.generate``. vLLM 0.32 takes an already rendered
+    input (``type: token``) in the caller's thread, as its own OpenAI server hands it over; a
+    bare ``{"prompt_token_ids": ...}`` goes through its renderer's thread pool instead, a hop
+    per request that cost loractld's event loop about a fifth of its time at 64 streams
+    (thread hand-off and the GIL it then waits for; docs/benchmarks.md). Both paths make the
+    same checks of the ids (``InputProcessor._validate_model_inputs``)."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:  # vLLM 0.26: no rendered inputs; the bare prompt is the only form
+        return {"prompt_token_ids": prompt_token_ids}
+    return tokens_input(prompt_token_ids)
+
+
+def cache_vllm_environment() -> None:
+    """Read vLLM's environment variables once, now that the engine is up, as vLLM's engine core
+    does in its own process (``envs.enable_envs_cache``). Unread, ``vllm.envs`` looks each one
+    up in ``os.environ`` on every access, and the output handler reads some per request per step
+    (``IterationStats.update_from_output``: about 4% of the daemon's event loop at 64 streams).
+    Nothing of loractld's changes vLLM's variables after the start (``uncache_vllm_environment``
+    comes first in ``Engine.start``)."""
+    from vllm import envs
+
+    enable = getattr(envs, "enable_envs_cache", None)
+    if enable is not None:  # vLLM 0.26 has no such cache: its lookups stay as they were
+        enable()
+
+
+def uncache_vllm_environment() -> None:
+    from vllm import envs
+
+    disable = getattr(envs, "disable_envs_cache", None)
+    if disable is not None:
+        disable()

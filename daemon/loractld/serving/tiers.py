@@ -39,6 +39,7 @@ from loractld.serving.admission import Gate
 from loractld import testhooks
 from loractld.events import Event, EventBus, Metrics
 from loractld.serving.claims import Claim, PinClaims
+from loractld.serving.finishing import Finishing
 from loractld.serving.pins import PersistentState
 from loractld.serving.reader import EngineStateReader
 from loractld.serving.residency import EngineState, Residency, TierEngine, Usage
@@ -62,7 +63,7 @@ class Tiers:
         self.usage: dict[str, Usage] = {}
         self._lock = asyncio.Lock()
         self.claims = PinClaims(state, max_pins=self.max_pins, max_device_pins=self.max_device_pins)
-        self._finishing: set[asyncio.Task] = set()   # pin changes whose caller went away
+        self._finishing = Finishing("a pin change")   # pin changes whose caller went away
         # name -> the engine id its pin holds (in the engine, and at the gate for a device pin):
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
         # what the name resolves to now. Unpins release this id, never a re-resolved one.
@@ -340,15 +341,7 @@ class Tiers:
         """Await ``work`` so that a caller that goes away (a cancelled RPC) cannot stop it halfway:
         a change to the engine's pins and to their records (or an rm, ``Core.remove``) is made
         whole, never in part."""
-        task = asyncio.ensure_future(work)
-        self._finishing.add(task)
-        task.add_done_callback(self._finished)
-        return asyncio.shield(task)
-
-    def _finished(self, task: asyncio.Task) -> None:
-        self._finishing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            _log.debug("a pin change ended with %r", task.exception())
+        return self._finishing(work)
 
     async def unpin(self, name: str) -> Residency:
         adapter = self.resolver.resolve(name)
