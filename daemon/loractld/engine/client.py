@@ -305,8 +305,9 @@ class Engine:
         self, prompt_token_ids: list[int], sampling: Sampling, adapter: AdapterRef | None = None
     ) -> AsyncIterator[Delta]:
         """Stream a completion. Cancelling the iteration aborts the request in the engine."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        # From the module itself: ``from vllm import X`` runs vLLM's lazy ``__getattr__`` and an
+        # ``import_module`` on every call, and this runs once per request.
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
