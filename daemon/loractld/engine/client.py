@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
 from loractld import killpoints
 from loractld.engine import compat, tokens
+from loractld.engine.broken import BrokenJournal
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
@@ -186,9 +186,7 @@ class Engine:
         # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
         self._generation_defaults: dict[str, Any] | None = None
-        self.broken: dict[int, str] = {}  # engine id -> why the worker could not load it in a step
-        self._broken_journal = os.environ.get(worker_ext.BROKEN_JOURNAL, "")
-        self._broken_read = 0   # bytes of the journal read so far
+        self._journal = BrokenJournal(os.environ.get(worker_ext.BROKEN_JOURNAL, ""))
         import vllm
 
         self.vllm_version = vllm.__version__
@@ -421,32 +419,14 @@ class Engine:
     def _refuse_if_broken(self, adapter: AdapterRef) -> None:
         """Raise :class:`InvalidAdapter` if the worker failed to load ``adapter`` (its stand-in
         is a zero dummy: serving it would be the base model under the adapter's name)."""
-        self._read_broken_journal()
-        reason = self.broken.get(adapter.engine_id)
+        reason = self._journal.reason(adapter.engine_id)
         if reason is not None:
             raise broken_adapter(adapter.label, reason)
 
-    def _read_broken_journal(self) -> None:
-        """Take in what the worker journaled since the last read: one stat when nothing did."""
-        try:
-            if os.stat(self._broken_journal).st_size <= self._broken_read:
-                return
-            with open(self._broken_journal) as f:
-                f.seek(self._broken_read)
-                text = f.read()
-        except OSError:
-            return
-        complete = text[:text.rfind("\n") + 1]
-        self._broken_read += len(complete.encode())
-        for line in complete.splitlines():
-            try:
-                record = json.loads(line)
-                lora_id, reason = int(record["id"]), str(record["error"])
-            except (ValueError, KeyError, TypeError):
-                _log.warning("ignoring a malformed line of the worker's load journal: %r", line[:200])
-                continue
-            _log.error("the engine could not load adapter id %d: %s (it kept serving)", lora_id, reason)
-            self.broken[lora_id] = reason
+    @property
+    def broken(self) -> dict[int, str]:
+        """Engine id -> why the worker could not load it in a step (``BrokenJournal``)."""
+        return self._journal.broken
 
     async def pin_adapter(self, engine_id: int, *, device: bool = False) -> bool:
         """Pin in host RAM, or (``device``) in host RAM and a device slot: only behind the
@@ -508,9 +488,7 @@ class Engine:
             return
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
-        if self._broken_journal:
-            with contextlib.suppress(OSError):
-                os.unlink(self._broken_journal)
+        self._journal.remove()
         # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit
         # the module globals it needs are gone (a TypeError printed on every clean stop).
         llm.shutdown = lambda *args, **kwargs: None
