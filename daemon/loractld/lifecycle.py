@@ -419,4 +419,3 @@ def _freeze_startup_heap() -> None:
         return
     gc.collect()
     gc.freeze()
-

@@ -17,6 +17,7 @@ shared notes gpu-offline.md), and how each is handled:
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -76,15 +77,22 @@ def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, p
 def token_prompt(prompt_token_ids: list[int]) -> dict:
     """The prompt as handed to ``AsyncLLM.generate``. vLLM 0.32 takes an already rendered
     input (``type: token``) in the caller's thread, as its own OpenAI server hands it over; a
-    bare ``{"prompt_token_ids": ...}`` goes through its renderer's thread pool instead, a hop
-    per request that cost loractld's event loop about a fifth of its time at 64 streams
-    (thread hand-off and the GIL it then waits for; docs/benchmarks.md). Both paths make the
-    same checks of the ids (``InputProcessor._validate_model_inputs``)."""
+    bare ``{"prompt_token_ids": ...}`` goes through its renderer's thread pool instead, a
+    thread hand-off per request that the server does not make. Both paths make the same checks
+    of the ids (``InputProcessor._validate_model_inputs``)."""
+    build = _rendered_token_input()
+    return build(prompt_token_ids) if build is not None else {"prompt_token_ids": prompt_token_ids}
+
+
+@functools.cache
+def _rendered_token_input():
+    """vLLM's builder of a rendered token input, looked up once (this is on every request's
+    path, and a failed import would search the path again each time); None before 0.32."""
     try:
         from vllm.inputs.engine import tokens_input
     except ImportError:  # vLLM 0.26: no rendered inputs; the bare prompt is the only form
-        return {"prompt_token_ids": prompt_token_ids}
-    return tokens_input(prompt_token_ids)
+        return None
+    return tokens_input
 
 
 def cache_vllm_environment() -> None:

@@ -47,6 +47,6 @@ def encoder(tokenizer: Any) -> Encode:
         _log.debug("the tokenizer's backend could not be checked", exc_info=True)
         same = False
     if not same:
-        _log.info("tokenizing through transformers: its ids differ from the Rust tokenizer's for this model")
+        _log.info("tokenizing through transformers: the Rust tokenizer alone did not give its ids for this model")
         return through_transformers
     return through_backend
