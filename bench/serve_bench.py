@@ -74,11 +74,16 @@ def _sample(began: float, stamps: list[float], tokens: int) -> Sample:
 class LoractlSystem:
     name = "loractl"
 
-    def __init__(self, socket_path: Path, names: list[str]) -> None:
+    def __init__(self, socket_path: Path, names: list[str], *, stream_per_request: bool = False) -> None:
         from loractl import Client
 
         self.client = Client(socket_path)
         self.names = names
+        if stream_per_request:
+            # ``loractl-generate``: the same daemon, a Generate stream per request, as the client
+            # did before GenerateMany (and does with a deadline, or a daemon without it).
+            self.name = "loractl-generate"
+            self.client._unary_only = True
 
     async def request(self, adapter: int | None, tokens: int) -> Sample:
         began, stamps, n = time.perf_counter(), [], 0
@@ -323,7 +328,7 @@ def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
     out = {}
     for key in rounds[0][system]["cells"]:
         figures = {}
-        for figure in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
+        for figure in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "frontend_cpu_us_per_token"):
             values = [r[system]["cells"][key][figure] / r[baseline]["cells"][key][figure] for r in rounds
                       if r[baseline]["cells"][key].get(figure) and r[system]["cells"][key].get(figure) is not None]
             if values:
@@ -389,7 +394,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--workloads", default="base,one,zipf")
-    p.add_argument("--systems", default="loractl,server,asyncllm")
+    p.add_argument("--systems", default="loractl,server,asyncllm",
+                   help="also loractl-generate: the same daemon driven with a Generate stream per request")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--interleaved", type=int, default=100,
                    help="requests per system in the one-stream interleaved TTFT comparison")
@@ -412,7 +418,7 @@ def main() -> None:
     daemon = server = None
     try:
         extra = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
-        daemon = _setup.Daemon(model, args, home, extra) if "loractl" in wanted else None
+        daemon = _setup.Daemon(model, args, home, extra) if {"loractl", "loractl-generate"} & set(wanted) else None
         server = start_server(model, [n.replace("/", "-") for n in names], paths, args, work / "server.log") \
             if "server" in wanted else None
 
@@ -425,8 +431,9 @@ def main() -> None:
                     for name, path in zip(names, paths):
                         async for _ in c.pull(str(path), name=name):
                             pass
-                systems.append(LoractlSystem(daemon.socket, names))
-                systems[-1].frontend_pid = daemon.proc.pid
+                for stream_per_request in [False] * ("loractl" in wanted) + [True] * ("loractl-generate" in wanted):
+                    systems.append(LoractlSystem(daemon.socket, names, stream_per_request=stream_per_request))
+                    systems[-1].frontend_pid = daemon.proc.pid
             if server:
                 systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
                 systems[-1].frontend_pid = server[0].pid  # the API server process; its engine core is a child
@@ -449,9 +456,10 @@ def main() -> None:
                                                          "max_model_len", "max_num_seqs", "kv_cache", "tokens",
                                                          "streams", "workloads", "rounds")},
               **results}
+    if "loractl" in wanted:
+        report["ratios"] = {f"loractl_over_{baseline}": ratios(report["rounds"], "loractl", baseline)
+                            for baseline in ("server", "asyncllm", "loractl-generate") if baseline in wanted}
     if {"loractl", "server", "asyncllm"} <= set(wanted):
-        report["ratios"] = {"loractl_over_server": ratios(report["rounds"], "loractl", "server"),
-                            "loractl_over_asyncllm": ratios(report["rounds"], "loractl", "asyncllm")}
         report["markdown"] = markdown(report)
         print(report["markdown"], file=sys.stderr)
     _setup.write(report, args.out)

@@ -12,21 +12,24 @@ domain errors arrive as the class it raised.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from grpclib.client import Channel
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from loractl import paths
 from loractl.errors import (DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied,
                             from_wire)
+from loractl.multiplexed import Multiplexer
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
 
@@ -98,6 +101,8 @@ class Client:
         self.timeout = timeout
         self._channel: Channel | None = None
         self._stub: LoractlStub | None = None
+        self._mux: Multiplexer | None = None
+        self._unary_only = False   # the daemon answered GenerateMany with UNIMPLEMENTED
 
     async def __aenter__(self) -> Client:
         return self
@@ -106,6 +111,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        if self._mux is not None:
+            self._mux.close()
+            self._mux = None
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
@@ -275,9 +283,8 @@ class Client:
             lora=lora or "",
         )
         async with self._errors(prefer_adapter=lora):
-            async with self.stub.Generate.open(timeout=self.timeout) as stream:
-                await stream.send_message(request, end=True)
-                async for reply in stream:
+            async with aclosing(self._replies(request)) as replies:
+                async for reply in replies:
                     yield Chunk(
                         text=reply.text,
                         token_ids=list(reply.token_ids),
@@ -287,6 +294,32 @@ class Client:
                         prompt_tokens=reply.usage.prompt_tokens,
                         completion_tokens=reply.usage.completion_tokens,
                     )
+
+    async def _replies(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateReply]:
+        """A generation's replies: over the Client's one ``GenerateMany`` stream, shared by its
+        concurrent generations; over a ``Generate`` stream of its own with a ``timeout`` (a
+        deadline is per stream) or with a daemon that predates ``GenerateMany``."""
+        if self.timeout is None and not self._unary_only:
+            replied = False
+            try:
+                async with aclosing(self._multiplexer().generate(request)) as replies:
+                    async for reply in replies:
+                        replied = True
+                        yield reply
+                return
+            except GRPCError as e:
+                if e.status is not Status.UNIMPLEMENTED or replied:
+                    raise
+                self._unary_only = True
+        async with self.stub.Generate.open(timeout=self.timeout) as stream:
+            await stream.send_message(request, end=True)
+            async for reply in stream:
+                yield reply
+
+    def _multiplexer(self) -> Multiplexer:
+        if self._mux is None or self._mux.loop is not asyncio.get_running_loop():
+            self._mux = Multiplexer(self.stub)
+        return self._mux
 
     async def pull(self, ref: str, *, name: str | None = None, revision: str | None = None,
                    force: bool = False) -> AsyncIterator[dict[str, Any]]:

@@ -28,6 +28,7 @@ SERVICE = "/loractl.v1.Loractl/"
 # Every RPC of the service, with its request class and whether the reply is a stream.
 RPCS: dict[str, tuple[type, bool]] = {
     "Status": (pb.StatusRequest, False), "Generate": (pb.GenerateRequest, True),
+    "GenerateMany": (pb.GenerateManyRequest, True),   # a request stream too: raw_call sends one, then ends
     "Pull": (pb.PullRequest, True), "List": (pb.ListRequest, False), "Show": (pb.ShowRequest, False),
     "Remove": (pb.RemoveRequest, False), "Load": (pb.LoadRequest, False), "Evict": (pb.EvictRequest, False),
     "Pin": (pb.PinRequest, False), "Unpin": (pb.NameRequest, False), "Events": (pb.EventsRequest, True),
@@ -53,6 +54,9 @@ def channel(socket: Path) -> grpc.Channel:
 def raw_call(chan: grpc.Channel, rpc: str, payload: bytes, timeout: float = 30) -> list[bytes]:
     """Send ``payload`` as the request of ``rpc`` unparsed; return the raw replies (grpc.RpcError on a status)."""
     streaming = RPCS[rpc][1]
+    if rpc == "GenerateMany":
+        call = chan.stream_stream(SERVICE + rpc, request_serializer=None, response_deserializer=None)
+        return list(call(iter([payload]), timeout=timeout))
     if streaming:
         call = chan.unary_stream(SERVICE + rpc, request_serializer=None, response_deserializer=None)
         replies = []

@@ -108,3 +108,17 @@ def test_matrix_bench_quick_guard():
         assert ratio >= MATRIX_TOKENS_FLOOR, (name, ratio, only_round)
         assert len(only_round["load_average_before"]) == 3
     assert "| quick-closed |" in report["markdown"]
+
+
+def test_transport_floor_smoke(tmp_path):
+    out = tmp_path / "floor.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "transport_floor.py"), "--rounds", "1",
+                             "--token-budget", "2000", "--tokens", "4,16", "--streams", "8", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (only_round,) = report["rounds"]
+    for rpc in ("many", "generate"):
+        cells = only_round["rpcs"][rpc]["cells"]
+        assert [c["tokens"] for c in cells] == [4, 16] and all(c["server_cpu_us_per_token"] > 0 for c in cells)
+        assert report["median"][rpc]["fit"]["per_token_us"] is not None

@@ -115,6 +115,28 @@ def test_generate_stream_equals_the_client_and_the_reference(stub, own, demo, re
     assert (replies[-1].usage.prompt_tokens, replies[-1].usage.completion_tokens) == (len(got["prompt_ids"]), 12)
 
 
+def test_generate_many_over_grpcio_equals_the_reference(stub, own, demo, reference):
+    """Two generations on one bidirectional stream of grpcio's HTTP/2 stack (base and an
+    adapter), sent then ended: each equals the reference, its replies under its own id."""
+    def request(ident: int, lora: str) -> pb.GenerateManyRequest:
+        return pb.GenerateManyRequest(id=ident, request=pb.GenerateRequest(
+            messages=[pb.ChatMessage(role="user", content=PROMPT)], lora=lora,
+            sampling=pb.SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)))
+
+    replies = list(stub.GenerateMany(iter([request(11, ""), request(12, NAMES[0])]), timeout=60))
+    assert len(replies) > 1
+    updates: dict[int, list] = {11: [], 12: []}
+    for update in (u for r in replies for u in r.updates):
+        assert not update.error_code, update.error_message
+        updates[update.id].append(update.reply)
+    prompt_ids = reference.chat_ids(PROMPT)
+    for ident, adapter in ((11, None), (12, demo / "adapters" / NAMES[0])):
+        got = updates[ident]
+        assert list(got[0].prompt_token_ids) == prompt_ids
+        assert [i for r in got for i in r.token_ids] == reference.greedy(prompt_ids, adapter, 10, 10)
+        assert got[-1].finish_reason == "length" and got[-1].usage.completion_tokens == 10
+
+
 def test_pull_stream_equals_the_clients(stub, own, home):
     folder = str(home / "tiny" / "adapters" / "python-expert/v1")
     events = [to_dict(e) for e in stub.Pull(pb.PullRequest(ref=folder, name="py/v1"), timeout=60)]

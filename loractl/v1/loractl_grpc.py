@@ -23,6 +23,10 @@ class LoractlBase(abc.ABC):
         pass
 
     @abc.abstractmethod
+    async def GenerateMany(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.GenerateManyRequest, loractl.v1.loractl_pb2.GenerateManyReply]') -> None:
+        pass
+
+    @abc.abstractmethod
     async def Pull(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.PullRequest, loractl.v1.loractl_pb2.PullProgress]') -> None:
         pass
 
@@ -75,6 +79,12 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 loractl.v1.loractl_pb2.GenerateRequest,
                 loractl.v1.loractl_pb2.GenerateReply,
+            ),
+            '/loractl.v1.Loractl/GenerateMany': grpclib.const.Handler(
+                self.GenerateMany,
+                grpclib.const.Cardinality.STREAM_STREAM,
+                loractl.v1.loractl_pb2.GenerateManyRequest,
+                loractl.v1.loractl_pb2.GenerateManyReply,
             ),
             '/loractl.v1.Loractl/Pull': grpclib.const.Handler(
                 self.Pull,
@@ -153,6 +163,12 @@ class LoractlStub:
             '/loractl.v1.Loractl/Generate',
             loractl.v1.loractl_pb2.GenerateRequest,
             loractl.v1.loractl_pb2.GenerateReply,
+        )
+        self.GenerateMany = grpclib.client.StreamStreamMethod(
+            channel,
+            '/loractl.v1.Loractl/GenerateMany',
+            loractl.v1.loractl_pb2.GenerateManyRequest,
+            loractl.v1.loractl_pb2.GenerateManyReply,
         )
         self.Pull = grpclib.client.UnaryStreamMethod(
             channel,

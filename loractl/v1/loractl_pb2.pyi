@@ -210,6 +210,34 @@ class GenerateReply(_message.Message):
     adapter: str
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("id", "request", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class GenerationUpdate(_message.Message):
+    __slots__ = ("id", "reply", "error_code", "error_message")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    reply: GenerateReply
+    error_code: int
+    error_message: str
+    def __init__(self, id: _Optional[int] = ..., reply: _Optional[_Union[GenerateReply, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class GenerateManyReply(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[GenerationUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[GenerationUpdate, _Mapping]]] = ...) -> None: ...
+
 class PullRequest(_message.Message):
     __slots__ = ("ref", "name", "revision", "force", "hf_endpoint", "hf_token")
     REF_FIELD_NUMBER: _ClassVar[int]

@@ -18,6 +18,7 @@ import logging
 import os
 import struct
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
@@ -28,6 +29,7 @@ from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wi
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
 from loractld.api.audit import audited
+from loractld.api.multiplexed import Multiplexed
 from loractld.api.peers import may_change_state
 from loractld.core import GenerationRequest
 from loractld.core import DEFAULT_MAX_TOKENS, Sampling
@@ -122,23 +124,29 @@ def domain_errors(handler):
         stream.recv_message = functools.partial(recv_bounded, stream, self.max_message_bytes)
         try:
             await handler(self, stream)
-        except LoractlError as e:
-            raise GRPCError(e.grpc_status, to_wire(e)) from e
-        except DecodeError as e:
-            # grpclib parses the request inside the handler (stream.recv_message), so bytes that
-            # are no valid message (a wrong wire type, invalid UTF-8 in a string: found by
-            # tests/test_fuzz_grpc.py) arrive here; they are the caller's fault, not ours.
-            error = InvalidRequest(f"malformed {handler.__name__} request: {e}",
-                                   "Send the message loractl/v1/loractl.proto defines (loractl.Client does).")
-            raise GRPCError(error.grpc_status, to_wire(error)) from e
         except (GRPCError, asyncio.CancelledError):
             raise
         except Exception as e:
-            _log.exception("unexpected error in %s", handler.__name__)
-            error = LoractlError(f"internal error in {handler.__name__}: {type(e).__name__}: {e}")
-            raise GRPCError(error.grpc_status, to_wire(error)) from e
+            raise as_grpc_error(e, handler.__name__) from e
 
     return wrapper
+
+
+def as_grpc_error(error: Exception, operation: str) -> GRPCError:
+    """The gRPC status ``error`` leaves as (see the module's invariants); an unexpected error
+    is logged with its traceback here."""
+    if isinstance(error, GRPCError):
+        return error
+    if isinstance(error, DecodeError):
+        # grpclib parses the request inside the handler (stream.recv_message), so bytes that
+        # are no valid message (a wrong wire type, invalid UTF-8 in a string: found by
+        # tests/test_fuzz_grpc.py) arrive here; they are the caller's fault, not ours.
+        error = InvalidRequest(f"malformed {operation} request: {error}",
+                               "Send the message loractl/v1/loractl.proto defines (loractl.Client does).")
+    elif not isinstance(error, LoractlError):
+        _log.error("unexpected error in %s", operation, exc_info=error)
+        error = LoractlError(f"internal error in {operation}: {type(error).__name__}: {error}")
+    return GRPCError(error.grpc_status, to_wire(error))
 
 
 class LoractlService(LoractlBase):
@@ -164,6 +172,17 @@ class LoractlService(LoractlBase):
     @domain_errors
     async def Generate(self, stream) -> None:
         request: pb.GenerateRequest = await stream.recv_message()
+        async with contextlib.aclosing(self.replies(stream, request)) as replies:
+            async for reply in replies:
+                await stream.send_message(reply)
+
+    @domain_errors
+    async def GenerateMany(self, stream) -> None:
+        await Multiplexed(self.replies, stream, as_grpc_error).serve()
+
+    async def replies(self, stream, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateReply]:
+        """The replies of one generation, as ``Generate`` sends them; ``stream`` is the caller's
+        (its peer is asked for credentials when ``request`` names an adapter folder)."""
         generation = GenerationRequest(
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
@@ -192,7 +211,7 @@ class LoractlService(LoractlBase):
                     reply.finish_reason = delta.finish_reason
                     reply.usage.prompt_tokens = len(prepared.prompt_ids)
                     reply.usage.completion_tokens = produced
-                await stream.send_message(reply)
+                yield reply
 
     @domain_errors
     @mutating("pull", target=lambda r: f"{r.ref} as {r.name or '(default name)'}")
