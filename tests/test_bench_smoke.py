@@ -122,3 +122,20 @@ def test_transport_floor_smoke(tmp_path):
         cells = only_round["rpcs"][rpc]["cells"]
         assert [c["tokens"] for c in cells] == [4, 16] and all(c["server_cpu_us_per_token"] > 0 for c in cells)
         assert report["median"][rpc]["fit"]["per_token_us"] is not None
+
+
+def test_ttft_waves_smoke(tmp_path):
+    """Both clients of one daemon run both length patterns, with ratios per pattern."""
+    out = tmp_path / "waves.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "ttft_waves.py"), "--kv-cache", "64MiB",
+                             "--rounds", "1", "--streams", "4", "--requests", "12", "--tokens", "4",
+                             "--workdir", str(tmp_path), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (only_round,) = report["rounds"]
+    for pattern in ("fixed", "varied"):
+        for system in ("loractl", "loractl-generate"):
+            cell = only_round[pattern][system]
+            assert cell["tokens_per_s"] > 0 and cell["ttft_p50_ms"] > 0 and cell["burst_ttft_max_ms"] >= cell["burst_ttft_p50_ms"]
+        assert report["loractl_over_loractl-generate"][pattern]["ttft_p50_ms"]["median"] > 0
