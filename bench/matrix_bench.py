@@ -249,9 +249,10 @@ def markdown(results: dict) -> str:
         v = r.get(figure)
         return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})" if v else "—"
 
+    every = " / ".join(SYSTEMS)   # the absolute columns list every system, "—" where one did not run
     lines = ["| cell | batching tok/s ×server | batching TTFT p50 ×server | batching TTFT p99 ×server | "
-             "first-come tok/s ×server | first-come TTFT p99 ×server | tok/s batching / first-come / server | "
-             "TTFT p99 ms batching / first-come / server | load avg (1 min) | batching loses? |",
+             f"first-come tok/s ×server | first-come TTFT p99 ×server | tok/s {every} | "
+             f"TTFT p99 ms {every} | load avg (1 min) | batching loses? |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in results.items():
         if "batching" not in entry.get("ratios", {}) or "server" not in entry.get("medians", {}):
