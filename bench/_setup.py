@@ -28,6 +28,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def spread(values: list[float], digits: int = 2) -> dict:
+    """Per-round ratios (or figures) as the reports give them: median, min and max."""
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
 def summary(values: list[float]) -> dict:
     return {"n": len(values), "p50_ms": round(1000 * statistics.median(values), 2),
             "p99_ms": round(1000 * percentile(values, 0.99), 2), "mean_ms": round(1000 * statistics.fmean(values), 2)}

@@ -218,8 +218,7 @@ def summarize(rounds: list[dict]) -> dict:
         if cell != "lora":
             for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms"):
                 r = [c[k] / l[k] for c, l in zip(cells, (x["cells"]["lora"] for x in rounds))]
-                out[cell][f"{k}_vs_lora"] = {"median": round(statistics.median(r), 3), "min": round(min(r), 3),
-                                             "max": round(max(r), 3)}
+                out[cell][f"{k}_vs_lora"] = _setup.spread(r, digits=3)
     return out
 
 

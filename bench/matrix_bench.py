@@ -209,8 +209,7 @@ def ratios(rounds: list[dict], system: str, baseline: str = "server") -> dict:
         values = [r[system][figure] / r[baseline][figure] for r in rounds
                   if r[baseline][figure] and r[system][figure] is not None]
         if values:
-            out[figure] = {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-                           "max": round(max(values), 2)}
+            out[figure] = _setup.spread(values)
     return out
 
 

@@ -332,8 +332,7 @@ def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
             values = [r[system]["cells"][key][figure] / r[baseline]["cells"][key][figure] for r in rounds
                       if r[baseline]["cells"][key].get(figure) and r[system]["cells"][key].get(figure) is not None]
             if values:
-                figures[figure] = {"median": round(statistics.median(values), 2),
-                                   "min": round(min(values), 2), "max": round(max(values), 2)}
+                figures[figure] = _setup.spread(values)
         out[key] = figures
     return out
 

@@ -95,8 +95,7 @@ def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
         out[key] = {}
         for figure in FIGURES:
             values = [r[system][key][figure] / r[baseline][key][figure] for r in rounds if r[baseline][key][figure]]
-            out[key][figure] = {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
-                                "max": round(max(values), 2)}
+            out[key][figure] = _setup.spread(values)
     return out
 
 

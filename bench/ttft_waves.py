@@ -107,8 +107,7 @@ def main() -> None:
     for pattern in args.patterns.split(","):
         for key in ("tokens_per_s", "burst_ttft_p50_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
             values = [r[pattern]["loractl"][key] / r[pattern]["loractl-generate"][key] for r in rounds]
-            ratios.setdefault(pattern, {})[key] = {"median": round(statistics.median(values), 2),
-                                                  "min": round(min(values), 2), "max": round(max(values), 2)}
+            ratios.setdefault(pattern, {})[key] = _setup.spread(values)
     _setup.write({"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
                   "settings": {k: getattr(args, k) for k in ("streams", "tokens", "requests", "patterns", "rounds")},
                   "rounds": rounds, "loractl_over_loractl-generate": ratios}, args.out)
