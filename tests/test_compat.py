@@ -12,12 +12,44 @@ FIELDS_026 = ("lora_name", "lora_int_id", "lora_path", "lora_local_path", "long_
 FIELDS_032 = ("lora_name", "lora_int_id", "lora_path", "base_model_name", "load_inplace", "is_3d_lora_weight")
 
 
-@pytest.mark.parametrize("version, has_path, flashinfer", [
-    ("0.26.0", False, True), ("0.27.1", False, False), ("0.32.0", True, False), ("0.32.0+cpu", True, False),
+@pytest.mark.parametrize("version, has_path", [
+    ("0.26.0", False), ("0.27.1", False), ("0.32.0", True), ("0.32.0+cpu", True),
 ])
-def test_supported_versions(version, has_path, flashinfer):
+def test_supported_versions(version, has_path):
     f = compat.features(version)
-    assert f.prefix_cache_key_has_path is has_path and f.flashinfer_sampler_default is flashinfer
+    assert f.prefix_cache_key_has_path is has_path
+    # max_model_len=-1 fits the context to the KV cache in 0.26.0 too (kv_cache_utils._auto_fit_max_model_len):
+    # an unset --max-model-len must not start a long-context model at its full, unfittable length.
+    assert f.auto_fit_max_model_len and compat.max_model_len_arg(None, f) == -1
+    assert compat.max_model_len_arg(4096, f) == 4096
+
+
+@pytest.mark.parametrize("device, installed, expected", [
+    ("cuda", False, {"VLLM_USE_FLASHINFER_SAMPLER": "0"}),  # vLLM imports flashinfer to decide, and raises
+    ("cuda", True, {}),   # vLLM's own choice, with its own fallback: the faster sampler where it fits
+    ("cpu", False, {}), ("cpu", True, {}),
+])
+def test_the_flashinfer_sampler_is_off_only_where_flashinfer_is_missing(device, installed, expected):
+    assert compat.flashinfer_sampler_env(device, installed) == expected
+
+
+def test_the_compat_range_is_the_range_the_gpu_extra_allows():
+    """pyproject's `gpu` extra and compat.SUPPORTED say the same versions: a release the extra
+    installs is one compat knows, and compat accepts nothing the extra would not install."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    vllm_req = next(r for r in project["project"]["optional-dependencies"]["gpu"] if r.startswith("vllm"))
+    low, high = re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", vllm_req).groups()[:2], \
+        re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", vllm_req).groups()[2:]
+    (sup_low, sup_high) = compat.SUPPORTED
+    assert (int(low[0]), int(low[1])) == sup_low
+    assert (int(high[0]), int(high[1]) - 1) == sup_high  # <0.33 allows 0.32.x, the newest supported
+    cpu_req = next(r for r in project["project"]["optional-dependencies"]["cpu"] if r.startswith("vllm"))
+    cpu_version = compat.parse_version(cpu_req.split("==")[1])
+    assert sup_low <= cpu_version[:2] <= sup_high
 
 
 @pytest.mark.parametrize("version", ["0.25.2", "0.33.0", "1.0.0"])

@@ -19,6 +19,7 @@ from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings
 from loractld.api import dynamo as dynamo_settings
 from loractld.engine.client import EngineSettings
+from loractld.engine.device import keep_cuda_uninitialized
 from loractld.lifecycle import DaemonSettings, serve
 
 EPILOG = """\
@@ -176,6 +177,7 @@ def _run(coro):
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_cuda_uninitialized()  # first: nothing before vLLM's fork may initialize CUDA (engine/device.py)
     try:
         args = config.resolve(build_parser, argv)
     except LoractlError as e:

@@ -27,6 +27,7 @@ from typing import Any
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
 from loractld import killpoints
 from loractld.engine import compat, tokens
+from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
@@ -69,6 +70,11 @@ class EngineSettings:
     cpu_fixes: bool = True
 
 
+# A preflight's answer is polled for after 1, 2, 4, ... ms, then every 20 ms: a small adapter's
+# answer is back within a step or two, a large one's costs a few dozen utility calls.
+PREFLIGHT_FIRST_POLL_S = 0.001
+PREFLIGHT_MAX_POLL_S = 0.02
+
 DEFAULT_MAX_TOKENS = 512  # when a request sets none: this many, fewer where the context ends first
 
 
@@ -96,16 +102,6 @@ class Delta:
     prompt_token_ids: list[int] | None = None
 
 
-def resolve_device(requested: str) -> str:
-    if requested in ("cpu", "cuda"):
-        return requested
-    if requested != "auto":
-        raise InvalidRequest(f"unknown device {requested!r}", "Use --device auto, cuda or cpu.")
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     for name in _PRIVATE_ENV:
         os.environ.pop(name, None)
@@ -122,9 +118,10 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
     else:
         os.environ.pop(cpu_fixes.ENV_FLAG, None)
-    if device != "cpu":
-        # vLLM 0.26 defaults to the flashinfer sampler and fails without flashinfer.
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    import importlib.util
+
+    for name, value in compat.flashinfer_sampler_env(device, importlib.util.find_spec("flashinfer") is not None).items():
+        os.environ.setdefault(name, value)
 
 
 def _start_async_llm(async_llm: Any, args: Any, usage_context: Any, device: str) -> Any:
@@ -178,7 +175,6 @@ class Engine:
         self.device = device
         self.dtype = dtype
         self.start_seconds = start_seconds
-        self.kv_cache_bytes: int | None = settings.kv_cache_bytes  # as sized at start (None: by vLLM)
         self._tokenizer = llm.get_tokenizer()
         self._encode_text = tokens.encoder(self._tokenizer)
         # Rendering a chat template and tokenizing take milliseconds of pure Python/Rust work;
@@ -194,6 +190,9 @@ class Engine:
         # What vLLM settled on, which may differ from what was asked (None -> its default).
         self.max_model_len = int(config.model_config.max_model_len)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        # On CUDA the start asks for dtype "auto" and no KV size: vLLM's choices are the facts.
+        self.dtype = settled_dtype(config) or dtype
+        self.kv_cache_bytes = settings.kv_cache_bytes or kv_cache_bytes(config)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:
@@ -247,7 +246,7 @@ class Engine:
             ) from e
         compat.cache_vllm_environment()
         engine = cls(llm, settings, device, dtype, time.monotonic() - began)
-        engine.kv_cache_bytes = kv_bytes
+        engine.kv_cache_bytes = kv_bytes or engine.kv_cache_bytes
         _log.info("engine up in %.1f s (vllm %s, %s, %s); context %d tokens%s, up to %d sequences a step",
                   engine.start_seconds, engine.vllm_version, device, dtype, engine.max_model_len,
                   "" if settings.max_model_len else " (the model's own, fitted to the KV cache)", engine.max_num_seqs)
@@ -402,12 +401,21 @@ class Engine:
 
     async def preflight(self, name: str, engine_id: int, path: str) -> str | None:
         """Load the adapter at ``path`` in the worker as a step would, and drop it: None if this engine can
-        serve it, else vLLM's reason in one line (see worker_ext.loractl_preflight). Runs
-        between steps, like every utility call; whatever the loader raises is answered here."""
+        serve it, else vLLM's reason in one line (see worker_ext.loractl_preflight). The load runs on
+        the worker's preflight thread, beside the steps (worker_ext.loractl_preflight_start); this
+        polls for its answer, each poll a utility call between two steps (microseconds)."""
         from vllm.lora.request import LoRARequest
 
         kwargs = compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=name, engine_id=engine_id, path=path)
-        return (await self._llm.collective_rpc("loractl_preflight", args=(kwargs,)))[0]
+        token = uuid.uuid4().hex
+        await self._llm.collective_rpc("loractl_preflight_start", args=(token, kwargs))
+        pause = PREFLIGHT_FIRST_POLL_S
+        while True:
+            answer = (await self._llm.collective_rpc("loractl_preflight_poll", args=(token,)))[0]
+            if answer["done"]:
+                return answer["reason"]
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, PREFLIGHT_MAX_POLL_S)
 
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""

