@@ -21,6 +21,9 @@ SHAPES = {
                       intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
     "llama3-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    # SmolLM2-135M's shapes (the embedded demo model): a CPU run's stand-in for a real small model.
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192),
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=512, vocab_size=512, max_position_embeddings=1024),
 }

@@ -139,3 +139,19 @@ def test_ttft_waves_smoke(tmp_path):
             cell = only_round[pattern][system]
             assert cell["tokens_per_s"] > 0 and cell["ttft_p50_ms"] > 0 and cell["burst_ttft_max_ms"] >= cell["burst_ttft_p50_ms"]
         assert report["loractl_over_loractl-generate"][pattern]["ttft_p50_ms"]["median"] > 0
+
+
+def test_preflight_stall_smoke(demo):
+    """bench/preflight_stall.py end to end on the tiny model: both kinds of preflight ran beside
+    the streams, the worker recorded the steps and the loop time each held."""
+    work = tempfile.mkdtemp(prefix="lct-pf-", dir="/tmp")
+    out = f"{work}/r.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "preflight_stall.py"), "--model", str(demo / "model"),
+         "--kv-cache", "64MiB", "--streams", "2", "--tokens", "8", "--rank", "8", "--rounds", "2", "--warmup", "1",
+         "--gap", "0.3", "--workdir", work, "--out", out], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(open(out).read())
+    assert report["baseline_step_interval"]["n"] > 0
+    for mode in ("inline", "thread"):
+        assert len(report[mode]["each"]) == 2 and all(e["loop_held_ms"] > 0 for e in report[mode]["each"])

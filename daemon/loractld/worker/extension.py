@@ -227,7 +227,7 @@ def loractl_preflight_start(self, token: str, request_kwargs: dict) -> bool:
         import concurrent.futures
 
         pool = self._loractl_preflight_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="loractl-preflight", initializer=_same_device, initargs=(self,))
+            1, thread_name_prefix="loractl-preflight", initializer=_preflight_thread, initargs=(self,))
     while len(runs) >= PREFLIGHT_LIMIT:
         runs.popitem(last=False)
     runs[token] = pool.submit(loractl_preflight, self, request_kwargs)
@@ -251,19 +251,49 @@ def loractl_preflight_poll(self, token: str) -> dict[str, Any]:
         return {"done": True, "reason": _one_line(e)}
 
 
-def _same_device(worker: Any) -> None:
-    """The preflight thread uses the worker's GPU (a new thread starts on device 0)."""
+def _preflight_thread(worker: Any) -> None:
+    """Set up the preflight thread. On a GPU: the worker's device (a new thread starts on
+    device 0). On the CPU: off the cores the step's OpenMP threads are bound to (a new thread
+    inherits the engine thread's binding, and shared a core with the step: a 2 s stall was
+    measured so), and one OpenMP thread (a team of its own would spin on the step's cores)."""
     device = getattr(worker, "device", None)
+    import torch
+
     if getattr(device, "type", None) == "cuda":
-        import torch
-
         torch.cuda.set_device(device)
+        return
+    torch.set_num_threads(1)  # this thread's OpenMP setting; the engine thread's is already made
+    try:
+        bound = os.sched_getaffinity(0)
+        others = set(range(os.cpu_count() or 1)) - bound
+        if others:
+            os.sched_setaffinity(0, others)  # 0: this thread
+    except OSError:
+        pass  # a container that forbids it: the thread shares the step's cores
 
 
-def loractl_step_times(self) -> list[float]:
-    """The monotonic start time of each recent ``execute_model`` (the engine's steps), when
-    ``LORACTL_STEP_TIMES=1`` installed the recorder (bench/preflight_stall.py); else []."""
-    return list(self.__dict__.get("_loractl_step_times", ()))
+def loractl_step_times(self) -> dict[str, list]:
+    """When ``LORACTL_STEP_TIMES=1`` installed the recorders (bench/preflight_stall.py): the
+    monotonic start of each recent ``execute_model`` (the engine's steps), and for each
+    preflight utility call the engine loop ran, ``[method, start, seconds]`` (how long it held
+    the loop, so the next step); else empty lists."""
+    return {"steps": list(self.__dict__.get("_loractl_step_times", ())),
+            "held": [list(r) for r in self.__dict__.get("_loractl_held", ())]}
+
+
+def _timed_hold(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        began = time.monotonic()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            held = self.__dict__.get("_loractl_held")
+            if held is None:
+                held = self._loractl_held = collections.deque(maxlen=STEP_TIMES_LIMIT)
+            held.append((method.__name__, began, time.monotonic() - began))
+
+    return wrapper
 
 
 def _timed_steps(execute_model):
@@ -360,8 +390,9 @@ def install() -> None:
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.v1.worker.worker_base import WorkerBase
 
+    timed = os.environ.get(STEP_TIMES) == "1"
     for name, method in METHODS.items():
-        setattr(WorkerBase, name, method)
+        setattr(WorkerBase, name, _timed_hold(method) if timed and name.startswith("loractl_preflight") else method)
     for name in JOURNALED:
         method = getattr(LRUCacheWorkerLoRAManager, name)
         if not getattr(method, "_loractl_journaled", False):
