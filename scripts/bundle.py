@@ -48,16 +48,25 @@ CHUNK = 1 << 20
 
 # What a text-only run on Hopper does not need from the vllm wheel (see docs/offline-install.md).
 # Globs relative to the unpacked tree; only what exists is removed.
+_TEXT_TRIM = [
+    ("vllm/_moe_C_stable_libtorch*", "fused-MoE kernels; needed by MoE models only"),
+    ("vllm/vllm-rs", "Rust front-end binary; the Python engine does not use it"),
+    ("vllm/third_party/deep_gemm", "DeepGEMM FP8 kernels; vLLM falls back without them"),
+    ("vllm/third_party/fmha_sm100", "Blackwell (SM100) attention kernels; unused on Hopper"),
+]
+# FlashAttention-2 stays in the default: vLLM 0.26 picks FA2 on every GPU that is not Hopper or
+# Blackwell (Ampere, Ada: most workstations), and on Hopper for what FA3 cannot run (ALiBi), read
+# in vllm/v1/attention/backends/fa_utils.py:get_flash_attn_version. Dropping it is an opt-in.
 TRIM_PRESETS: dict[str, list[tuple[str, str]]] = {
     "none": [],
+    "vllm-text": _TEXT_TRIM,
     "vllm-text-hopper": [
-        ("vllm/vllm_flash_attn/_vllm_fa2_C*", "FlashAttention-2 kernels; Hopper runs FA3 (_vllm_fa3_C stays)"),
-        ("vllm/_moe_C_stable_libtorch*", "fused-MoE kernels; needed by MoE models only"),
-        ("vllm/vllm-rs", "Rust front-end binary; the Python engine does not use it"),
-        ("vllm/third_party/deep_gemm", "DeepGEMM FP8 kernels; vLLM falls back without them"),
-        ("vllm/third_party/fmha_sm100", "Blackwell (SM100) attention kernels; unused on Hopper"),
+        ("vllm/vllm_flash_attn/_vllm_fa2_C*", "FlashAttention-2 kernels; Hopper runs FA3 (_vllm_fa3_C stays), "
+         "except for ALiBi models"),
+        *_TEXT_TRIM,
     ],
 }
+DEFAULT_TRIM = "vllm-text"
 
 # Which of a distribution's own requirements are followed. "all": every one (what pip would
 # install). "vllm-text": for vllm, only the small set that importing the engine, worker,
@@ -1123,8 +1132,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--deps", choices=sorted(DEPS_PRESETS), default="vllm-text",
                    help="which requirements are followed: vllm-text (default) follows only the small "
                         "set of vllm's own requirements a text-only engine needs; all follows every one")
-    b.add_argument("--trim", default="vllm-text-hopper", metavar="PRESET",
-                   help=f"files to drop after unpacking: {' or '.join(TRIM_PRESETS)} (default vllm-text-hopper)")
+    b.add_argument("--trim", default=DEFAULT_TRIM, metavar="PRESET",
+                   help=f"files to drop after unpacking: {' or '.join(TRIM_PRESETS)} (default {DEFAULT_TRIM}; "
+                        "vllm-text-hopper also drops FlashAttention-2: Hopper only, no ALiBi models)")
     b.add_argument("--max-part-size", type=parse_size, default=parse_size("40MiB"),
                    help="largest part, e.g. 40MiB (default), 64KiB")
     b.add_argument("--env", action="append", metavar="NAME=VALUE", help="one more variable for env.sh")

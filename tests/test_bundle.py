@@ -95,7 +95,7 @@ def test_build_bundles_what_the_target_lacks(built):
     assert sum(p["bytes"] for p in parts) == manifest["archive"]["bytes"] == manifest["sizes"]["packed"]
     assert (out / "bundle.py").read_bytes() == SCRIPT.read_bytes()
     assert manifest["env"] == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no vllm: no vLLM vars
-    assert manifest["trim"] == {"preset": "vllm-text-hopper", "removed": []}
+    assert manifest["trim"] == {"preset": "vllm-text", "removed": []}
     assert manifest["sizes"]["unpacked"] > manifest["sizes"]["packed"] > 0
     assert not list(out.glob("*.whl")) and not (out / "bundle.tar.xz").exists()
 
@@ -231,18 +231,21 @@ def test_trim_preset_on_a_fake_stage(tmp_path):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x" * size)
     assert bundle.apply_trim(tmp_path, "none") == []
-    removed = bundle.apply_trim(tmp_path, "vllm-text-hopper")
+    removed = bundle.apply_trim(tmp_path, "vllm-text")  # the default keeps FA2 (non-Hopper GPUs, ALiBi)
     assert {r["path"]: r["bytes"] for r in removed} == {
-        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": 300,
         "vllm/_moe_C_stable_libtorch.abi3.so": 100,
         "vllm/vllm-rs": 40,
         "vllm/third_party/deep_gemm": 10,
     }  # fmha_sm100 is absent: nothing to remove, no error
+    kept = ["vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/vllm_flash_attn/__init__.py",
+            "vllm/_C_stable_libtorch.abi3.so", "vllm/third_party/flashmla/keep.py", "vllm/__init__.py",
+            "pydantic/__init__.py"]
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
-    assert left == sorted(["vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/vllm_flash_attn/__init__.py",
-                           "vllm/_C_stable_libtorch.abi3.so", "vllm/third_party/flashmla/keep.py",
-                           "vllm/__init__.py", "pydantic/__init__.py"])
-    assert bundle.apply_trim(tmp_path, "vllm-text-hopper") == []  # idempotent
+    assert left == sorted([*kept, "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"])
+    assert bundle.apply_trim(tmp_path, "vllm-text") == []  # idempotent
+    removed = bundle.apply_trim(tmp_path, "vllm-text-hopper")  # opt-in: FA2 too
+    assert {r["path"]: r["bytes"] for r in removed} == {"vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": 300}
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == sorted(kept)
 
 
 def test_markers_are_evaluated_for_the_target_not_this_interpreter():
