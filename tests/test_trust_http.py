@@ -96,6 +96,30 @@ def test_keyless_http_changes_state_only_for_whom_the_socket_would(caplog):
     assert any(line.startswith("audit uid=0 http=127.0.0.1:") and "op=evict target=x" in line for line in audit)
 
 
+@needs_root
+def test_a_forged_forwarded_for_never_renames_the_caller(caplog):
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 by default: nobody could write any address
+    into the audit line (and lose its uid). Without --http-forwarded-allow-ips, no proxy header
+    is read; with it, the named proxy's header is believed, as the flag says."""
+    post = ["-H", "Content-Type: application/json", "-H", "X-Forwarded-For: 203.0.113.77", "-d",
+            json.dumps({"lora_name": "x", "lora_path": "/tmp"})]
+
+    async def requests(url):
+        return await curl(*post, f"{url}/v1/load_lora_adapter", user=NOBODY)
+
+    with caplog.at_level("INFO", logger="loractld.audit"):
+        status, _ = asyncio.run(_serve(http_settings.HttpSettings(), requests))
+    audit = [r.getMessage() for r in caplog.records if r.name == "loractld.audit"]
+    assert status == 403
+    assert any(line.startswith("audit uid=65534 http=127.0.0.1:") for line in audit), audit
+    assert not any("203.0.113.77" in line for line in audit), audit
+    caplog.clear()
+    with caplog.at_level("INFO", logger="loractld.audit"):
+        asyncio.run(_serve(http_settings.HttpSettings(forwarded_allow_ips="127.0.0.1"), requests))
+    audit = [r.getMessage() for r in caplog.records if r.name == "loractld.audit"]
+    assert any("http=203.0.113.77:" in line for line in audit), audit  # a named proxy is believed
+
+
 def test_with_a_key_its_holder_may_change_state():
     async def requests(url):
         async with httpx.AsyncClient(base_url=url, timeout=2) as client:

@@ -50,7 +50,11 @@ class HttpFrontEnd:
             for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
                 logging.getLogger(name).setLevel(logging.WARNING)
         config = uvicorn.Config(build_app(core, settings, socket_gid=socket_gid), lifespan="off", log_config=None,
-                                access_log=debug, server_header=False, ws="none", timeout_graceful_shutdown=grace_s)
+                                access_log=debug, server_header=False, ws="none", timeout_graceful_shutdown=grace_s,
+                                # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local
+                                # process could then name another caller in the audit line.
+                                proxy_headers=settings.forwarded_allow_ips is not None,
+                                forwarded_allow_ips=settings.forwarded_allow_ips or "")
         config.load()
         config.http_protocol_class = capped_protocol(config.http_protocol_class,
                                                      max_connections=settings.max_connections,

@@ -40,6 +40,9 @@ class HttpSettings:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     max_header_bytes: int = DEFAULT_MAX_HEADER
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (uvicorn's forwarded_allow_ips);
+    # None: no proxy header is ever read, so the caller in the audit and the uid check is the peer.
+    forwarded_allow_ips: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int, positive_seconds) -> None:
@@ -64,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int, pos
     parser.add_argument("--http-max-header-size", type=parse_size, default=DEFAULT_MAX_HEADER, metavar="SIZE",
                         help="answer a request line and headers larger than this with 431 and close the "
                              "connection (default: 64KiB)")
+    parser.add_argument("--http-forwarded-allow-ips", metavar="IPS",
+                        help="believe X-Forwarded-For/-Proto only from these proxy addresses (comma-separated; "
+                             "default: never, so the audit names the real peer)")
     parser.add_argument("--http-body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                         metavar="SECONDS", help="answer 408 when a request body takes longer than this to arrive "
                                                 f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
@@ -77,7 +83,8 @@ def settings_from(args: argparse.Namespace) -> HttpSettings:
                             max_concurrency=args.http_max_concurrency, max_choices=args.http_max_choices,
                             max_connections=args.http_max_connections, header_timeout_s=args.http_header_timeout,
                             max_header_bytes=args.http_max_header_size,
-                            body_timeout_s=args.http_body_timeout)
+                            body_timeout_s=args.http_body_timeout,
+                            forwarded_allow_ips=args.http_forwarded_allow_ips or None)
     if address is not None:
         check_listener(settings, *address)
     return settings
