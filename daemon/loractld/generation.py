@@ -12,6 +12,7 @@ from loractl.errors import AdapterNotFound, InvalidRequest
 from loractld.engine.client import Sampling
 
 if TYPE_CHECKING:
+    from loractld.core.policy import Caller
     from loractld.engine.client import Engine
     from loractld.store.identity import AdapterRef
     from loractld.store.leases import Lease
@@ -29,7 +30,9 @@ class GenerationRequest:
     # max_tokens None: whatever the context leaves after the prompt (what vLLM's server does).
     sampling: Sampling = field(default_factory=Sampling)
     allow_folders: bool = True      # False for network clients: they may name stored adapters only
-    allow_pull: bool = False        # the door lets this caller pull a missing Hub reference (loractld.store.ondemand)
+    # Who asked, as the door knows them: the core decides what they may change (core.policy) —
+    # a folder, an auto-pull. None: an unknown caller, who may generate from stored adapters only.
+    caller: Caller | None = None
 
 
 @dataclass

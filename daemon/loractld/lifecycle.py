@@ -268,6 +268,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     core = Core(socket_path=str(sock_path), home=str(layout.home or layout.data_dir),
                 served_model_name=settings.served_model_name or settings.engine.model)
     core.auto_pull = settings.auto_pull
+    core.socket_gid = socket_gid
     # LORACTL_GRPC_COALESCE=0: grpclib's own server, one write per frame (the benchmarks' control).
     server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
     server = server_class([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import struct
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from loractld.api.multiplexed import Multiplexed
 from loractld.api.peers import may_change_state
 from loractld.core import GenerationRequest
 from loractld.core import DEFAULT_MAX_TOKENS, Sampling
+from loractld.core.policy import Caller
 from loractld.views import AdapterView
 
 if TYPE_CHECKING:
@@ -183,22 +183,16 @@ class LoractlService(LoractlBase):
     async def replies(self, stream, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateReply]:
         """The replies of one generation, as ``Generate`` sends them; ``stream`` is the caller's
         (its peer is asked for credentials when ``request`` names an adapter folder)."""
+        caller = None
+        if request.lora:  # only an adapter can change state (a folder, an auto-pull): the core decides
+            pid, uid, gid = peer_credentials(stream)
+            caller = Caller("socket", uid=uid, gid=gid, pid=pid)
         generation = GenerationRequest(
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
-            lora=request.lora, sampling=_sampling_from(request.sampling),
-            allow_pull=True,  # socket peers may change state: they may pull (loractld --auto-pull)
+            lora=request.lora, sampling=_sampling_from(request.sampling), caller=caller,
         )
-        if os.path.isabs(request.lora):
-            # A folder is read with the daemon's rights and takes an engine slot: a state change.
-            pid, uid, gid = peer_credentials(stream)
-            async with audited(f"uid={uid} pid={pid}", "generate-folder", request.lora):
-                if not may_change_state(uid, gid, self.socket_gid):
-                    raise PermissionDenied(f"uid {uid} may not generate from an adapter folder on this daemon",
-                                           "Name a stored adapter (loractl ls), or ask its owner to pull the folder.")
-                prepared = await self.core.prepare(generation)
-        else:
-            prepared = await self.core.prepare(generation)
+        prepared = await self.core.prepare(generation)
         produced = 0
         async with contextlib.aclosing(self.core.run(prepared)) as deltas:
             async for delta in deltas:

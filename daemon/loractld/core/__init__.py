@@ -50,6 +50,7 @@ from loractld.store import ondemand
 from loractld.models.naming import relabel_model
 from loractld.startup import StartupProgress
 from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted  # noqa: F401 - the doors take them from here
+from loractld.core import policy
 from loractld.core.disk_ops import DiskOps
 from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RequestView,
                             StartupView, StatusView)
@@ -89,6 +90,7 @@ class Core(DiskOps):
         self.home = home
         self.served_model_name = served_model_name
         self.auto_pull = False      # --auto-pull: see loractld.store.ondemand
+        self.socket_gid: int | None = None  # --socket-group: its members may change state (core.policy)
         self.http_url = ""          # set by the HTTP front end once it listens
         self.catalog: Catalog | None = None
         self.catalog_ready = asyncio.Event()
@@ -274,7 +276,15 @@ class Core(DiskOps):
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
         lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
-        adapter = self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
+        if lora and os.path.isabs(lora) and request.allow_folders:
+            # A folder is read with the daemon's rights and takes an engine slot: a state change.
+            async with policy.authorized(request.caller, self.socket_gid, "generate-folder", lora,
+                                         refusal="generate from an adapter folder on this daemon",
+                                         hint="Name a stored adapter (loractl ls), or ask its owner to pull the "
+                                              "folder."):
+                adapter = self._resolve_adapter(catalog, lora, request.allow_folders)
+        else:
+            adapter = self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
         name = lora if adapter is not None and not os.path.isabs(lora) else None
         # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
         lease = catalog.store.lease(adapter.path) if adapter is not None else None

@@ -15,6 +15,9 @@ from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidRequest, LoractlError, one_line
 from loractld.core import Delta, GenerationRequest, Sampling
+from loractld.core.policy import Caller
+
+FLEET = Caller("dynamo", fleet=True, peer="dynamo=frontend")  # a fleet placement: see loractld.store.ondemand
 
 
 def lora_name(request: dict[str, Any], base_names: set[str]) -> str:
@@ -52,9 +55,9 @@ def generation_request(request: dict[str, Any], lora: str, defaults: dict) -> Ge
                         temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                         top_k=max(0, top_k if top_k is not None else 0), seed=options.get("seed"))
     # allow_folders False: a fleet's clients name stored adapters, never this host's folders.
-    # allow_pull: a fleet's placement may send an adapter this worker never had (loractld --auto-pull).
+    # fleet: a fleet's placement may send an adapter this worker never had (loractld --auto-pull).
     return GenerationRequest(prompt_token_ids=token_ids, lora=lora, sampling=sampling, allow_folders=False,
-                             allow_pull=True)
+                             caller=FLEET)
 
 
 def chunk(delta: Delta, prompt_tokens: int, produced: int) -> dict[str, Any]:

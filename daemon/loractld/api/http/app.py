@@ -58,7 +58,7 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
     app = FastAPI(title="loractld", version=__version__, redoc_url=None,
                   description="OpenAI-compatible API of a loractl daemon: the base model and its LoRA adapters.")
     serving = Serving(core, Limiter(settings.max_concurrency), max_choices=settings.max_choices,
-                      allow_pull=settings.api_key is not None)  # never a download for a keyless client
+                      key_required=settings.api_key is not None)
 
     async def body_of(request: Request, model):
         return parse(await read_body(request, settings.max_body_bytes, settings.body_timeout_s), model)

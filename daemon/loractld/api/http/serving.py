@@ -35,6 +35,7 @@ from loractld.api.http.errors import HttpError, error_body, from_domain, unknown
 from loractld.api.http.protocol import ChatCompletionRequest, CompletionRequest
 from loractld.core import Core, GenerationRequest, Prepared, UnknownModel
 from loractld.core import Delta, Sampling
+from loractld.core.policy import Caller
 
 _log = logging.getLogger("loractld.http")
 
@@ -168,11 +169,14 @@ def sampling_for(body: ChatCompletionRequest | CompletionRequest, defaults: dict
 
 
 class Serving:
-    def __init__(self, core: Core, limiter: Limiter, *, max_choices: int = 128, allow_pull: bool = False) -> None:
+    def __init__(self, core: Core, limiter: Limiter, *, max_choices: int = 128, key_required: bool = False) -> None:
         self.core = core
         self.limiter = limiter
         self.max_choices = max_choices
-        self.allow_pull = allow_pull
+        # Behind the guard every generation request of a keyed API carries the key: its holder is
+        # the caller the core judges (core.policy). Keyless callers stay unidentified: they never
+        # make the daemon download.
+        self.caller = Caller("http", key_holder=True) if key_required else None
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         messages = [m.as_core() for m in body.messages]
@@ -222,8 +226,7 @@ class Serving:
             choices = []
             for prompt in prompts:
                 prepared = await self.core.prepare(dataclasses.replace(prompt, lora=lora, sampling=sampling,
-                                                                       allow_folders=False,
-                                                                       allow_pull=self.allow_pull))
+                                                                       allow_folders=False, caller=self.caller))
                 for i in range(body.n):
                     seed = None if sampling.seed is None else sampling.seed + i
                     choices.append(dataclasses.replace(prepared, sampling=dataclasses.replace(prepared.sampling,
