@@ -4,13 +4,23 @@
 # two demo adapters trained here on first use), then ask the same question of the base model
 # and of each adapter, and stop. Files go under $LORACTL_HOME (default: ./.loractl-demo).
 # The first run fetches, converts and trains (minutes on two cores); later runs reuse all of it.
+# LORACTL_BIN=DIR runs the loractld and loractl installed in DIR instead (a GPU install: then
+# scripts/setup.sh, which installs the CPU build of vLLM into ./.venv, is not run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+if [ -n "${LORACTL_BIN:-}" ]; then
+  BIN=$LORACTL_BIN
+  [ -x "$BIN/loractld" ] && [ -x "$BIN/loractl" ] \
+    || { echo "demo: error: no loractld and loractl in LORACTL_BIN=$BIN" >&2
+         echo "hint: point it at the bin folder of an environment with loractl installed (pip install -e '.[gpu]')" >&2
+         exit 1; }
+else
+  bash scripts/setup.sh
+  BIN=.venv/bin
+fi
 
 export LORACTL_HOME=${LORACTL_HOME:-$PWD/.loractl-demo}
 mkdir -p "$LORACTL_HOME"
-BIN=.venv/bin
 log="$LORACTL_HOME/loractld.log"
 sql_prompt=${1:-List all users older than 30}
 chat_prompt=${2:-What is the capital of France?}
