@@ -207,3 +207,65 @@ def test_base_model_shapes_unknown_at_start_are_read_once_the_engine_has_the_mod
     refresh_shapes(info)
     assert info.shapes == base_model_shapes(demo / "model")
     assert "loractl/demo-tiny-llama" in info.names and "org/not-downloaded-yet" in info.names
+
+
+def _poison(dtype, value):
+    def mutate(tensors):
+        import torch
+
+        key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[0]
+        for k in tensors:
+            tensors[k] = tensors[k].to(dtype)
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+    return mutate
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_a_weight_that_is_not_finite_is_refused(demo, tmp_path, dtype_name, value):
+    """One NaN or inf in the file (a diverged float16 run) is refused with the tensor named:
+    served, such an adapter changed other clients' answers (issue 37, finding 2)."""
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    folder = replace_tensors(good(demo, tmp_path / "p"), _poison(getattr(torch, dtype_name), value))
+    with pytest.raises(InvalidAdapter, match=r"holds 1 value\(s\) that are not finite") as refused:
+        check(folder, demo)
+    assert "lora_B.weight" in refused.value.message and "retrain" in refused.value.hint
+
+
+def test_finite_extremes_in_every_float_dtype_pass(demo, tmp_path):
+    import torch
+
+    from adapter_factory import replace_tensors
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        folder = replace_tensors(good(demo, tmp_path / str(dtype)), _poison(dtype, torch.finfo(dtype).max))
+        assert check(folder, demo).rank == 8
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"lora_alpha": 1e38}, "beyond what half precision holds"),
+    ({"lora_alpha": float("nan")}, "not a finite number"),
+    ({"lora_alpha": "16"}, "not a finite number"),
+    ({"alpha_pattern": {"q_proj": 1e9}}, "alpha_pattern['q_proj']"),
+    ({"lora_alpha": 600000, "use_rslora": False}, "beyond what half precision holds"),
+])
+def test_a_scaling_that_overflows_half_precision_is_refused(demo, tmp_path, changes, fragment):
+    from adapter_factory import edit_config
+
+    folder = edit_config(good(demo, tmp_path / "s"), **changes)
+    with pytest.raises(InvalidAdapter) as refused:
+        check(folder, demo)
+    assert fragment in refused.value.message
+
+
+def test_rslora_scaling_uses_the_square_root(demo, tmp_path):
+    from adapter_factory import edit_config
+
+    # 150000 / sqrt(8) = 53033: within float16 with rsLoRA, over it without (150000 / 8 = 18750 is within too)
+    assert check(edit_config(good(demo, tmp_path / "r"), lora_alpha=150000, use_rslora=True), demo).rank == 8
+    with pytest.raises(InvalidAdapter, match="beyond"):
+        check(edit_config(good(demo, tmp_path / "r2"), lora_alpha=200000, use_rslora=True), demo)

@@ -183,7 +183,7 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
                                 model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes)
 
     preflight = Preflight()
-    catalog = Catalog(store=store, resolver=AdapterResolver(store, validate),
+    catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes),
                       puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight)
     adapters = store.list()
     _log.info("store %s: %d adapter(s); base model %s (shapes %s)", store_dir, len(adapters), model,

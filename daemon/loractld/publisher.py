@@ -46,6 +46,7 @@ class Publisher:
             return data
         state = tiers.last_state
         stored = await asyncio.to_thread(catalog.store.list)
+        await asyncio.to_thread(catalog.resolver.warm, [a.name for a in stored])  # new content: off the loop
         available, loaded = [], []
         for adapter in stored:
             try:

@@ -282,9 +282,9 @@ class Core(DiskOps):
                                          refusal="generate from an adapter folder on this daemon",
                                          hint="Name a stored adapter (loractl ls), or ask its owner to pull the "
                                               "folder."):
-                adapter = self._resolve_adapter(catalog, lora, request.allow_folders)
+                adapter = await self._resolve_adapter(catalog, lora, request.allow_folders)
         else:
-            adapter = self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
+            adapter = await self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
         name = lora if adapter is not None and not os.path.isabs(lora) else None
         # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
         lease = catalog.store.lease(adapter.path) if adapter is not None else None
@@ -349,15 +349,16 @@ class Core(DiskOps):
             if adapter:
                 tiers.note_activity()
 
-    def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
+    async def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
+        """The adapter ``lora`` names; new content is hashed and validated off the event loop."""
         if os.path.isabs(lora) and not allow_folders:
             raise UnknownModel(lora, [])  # a network client never names the daemon's folders
         try:
-            return catalog.resolver.resolve(lora)
+            return await catalog.resolver.resolve_async(lora)
         except (AdapterNotFound, InvalidRequest) as e:
             if os.path.isabs(lora) or (isinstance(e, InvalidRequest) and allow_folders):
                 raise  # a missing folder, or a malformed name typed at the CLI: its own message
-            raise UnknownModel(lora, self.close_matches(lora)) from e
+            raise UnknownModel(lora, await asyncio.to_thread(self.close_matches, lora)) from e
 
     def close_matches(self, name: str) -> list[str]:
         """Names the user may have meant; reads the store, so only on the error path."""
@@ -393,7 +394,7 @@ class Core(DiskOps):
         loader accepts its content (``store.preflight``): before any tier operation, and for
         start-up's pins and preloads, which may name files changed while the daemon was down."""
         catalog = await self._wait_catalog()
-        ref = self._resolve_adapter(catalog, name, allow_folders=True)
+        ref = await self._resolve_adapter(catalog, name, allow_folders=True)
         await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
 
     # -- watching -------------------------------------------------------------------------

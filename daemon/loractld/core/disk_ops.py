@@ -66,18 +66,22 @@ class DiskOps:
     async def list_adapters(self) -> list[AdapterView]:
         catalog = await self._wait_catalog()
         adapters = await asyncio.to_thread(catalog.store.list)
+        await asyncio.to_thread(catalog.resolver.warm, [a.name for a in adapters])
         state = await self.tiers.sync() if self.tiers else None
         return [self._described(catalog, a, state) for a in adapters]
 
     async def show(self, name: str) -> AdapterView:
         catalog = await self._wait_catalog()
         adapter = await asyncio.to_thread(catalog.store.get, name)
+        await asyncio.to_thread(catalog.resolver.warm, [name])
         state = await self.tiers.sync() if self.tiers else None
         return self._described(catalog, adapter, state)
 
     async def remove(self, name: str, *, force: bool = False) -> RemovedView:
         catalog = await self._wait_catalog()
         catalog.store.get(name)  # AdapterNotFound before anything else
+        # New content is hashed and validated off the loop; from here to the claim, no await.
+        await asyncio.to_thread(catalog.resolver.warm, [name])
         if self._serving[name] > 0:
             raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",
                                  "Wait for them to finish, then remove it.")

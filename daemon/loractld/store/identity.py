@@ -14,7 +14,9 @@ Python's ``hash()`` is salted per process and is never used for this.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +55,22 @@ class AdapterResolver:
     Store names resolve from an in-memory index, so a request reads no manifest: an entry
     stands while its name's store entry is unchanged — the same symlink target for a pulled
     adapter (a pull or rm always swaps or removes the link), the same files (inode, size,
-    mtime) for one placed by hand. Checking that costs one or two system calls.
+    mtime and ctime: a rewrite that restores the mtime still moves the ctime) for one placed by
+    hand or a folder. Checking that costs one or two system calls.
+
+    Hashing and validating new content reads every byte (seconds for a large folder), so it
+    never runs on the event loop: the daemon calls :meth:`resolve_async`, which answers a known
+    name at once and runs anything else in a thread; one lock serializes the threads (the id
+    table's check-then-take), and a folder's size is checked against ``max_bytes`` before its
+    files are hashed.
     """
 
-    def __init__(self, store: Store, validate: Callable[[Path, bool], AdapterFacts]) -> None:
+    def __init__(self, store: Store, validate: Callable[[Path, bool], AdapterFacts],
+                 max_bytes: int | None = None) -> None:
         self.store = store
         self.validate = validate
+        self.max_bytes = max_bytes
+        self._lock = threading.RLock()
         self._folder_digests: dict[tuple, str] = {}
         self._facts: dict[tuple[str, bool], AdapterFacts | LoractlError] = {}
         self._ids: dict[str, int] = {}
@@ -66,16 +78,41 @@ class AdapterResolver:
         self._labels: dict[int, str] = {}
         self._by_name: dict[str, tuple[tuple, AdapterRef]] = {}
 
+    async def resolve_async(self, lora: str) -> AdapterRef:
+        """:meth:`resolve`, with anything but a known name's answer off the event loop."""
+        ref = self.cached(lora)
+        return ref if ref is not None else await asyncio.to_thread(self.resolve, lora)
+
+    def warm(self, names: list[str]) -> None:
+        """Resolve ``names`` now, in the caller's thread (hashing and validating new content reads
+        every byte), so that the event loop's later asks are answered from the caches; a name
+        that does not resolve is left to fail again, from its cached answer, where it is asked."""
+        for name in names:
+            try:
+                self.resolve(name)
+            except LoractlError:
+                pass
+
+    def cached(self, lora: str) -> AdapterRef | None:
+        """The answer for a store name whose entry is unchanged since it was resolved; else None."""
+        if os.path.isabs(lora):
+            return None
+        cached = self._by_name.get(lora)
+        if cached is None:
+            return None
+        key = self._entry_key(lora)
+        return cached[1] if key is not None and cached[0] == key else None
+
     def resolve(self, lora: str) -> AdapterRef:
-        if not os.path.isabs(lora):
-            key = self._entry_key(lora)
-            cached = self._by_name.get(lora)
-            if key is not None and cached is not None and cached[0] == key:
-                return cached[1]
-        ref = self._resolve(lora)
-        if not os.path.isabs(lora) and key is not None:
-            self._by_name[lora] = (key, ref)
-        return ref
+        ref = self.cached(lora)
+        if ref is not None:
+            return ref
+        with self._lock:
+            key = None if os.path.isabs(lora) else self._entry_key(lora)
+            ref = self._resolve(lora)
+            if key is not None:
+                self._by_name[lora] = (key, ref)
+            return ref
 
     def _entry_key(self, name: str) -> tuple | None:
         """What identifies the store entry behind ``name`` right now; None: look on disk."""
@@ -83,7 +120,7 @@ class AdapterResolver:
         try:
             if entry.is_symlink():
                 return ("link", os.readlink(entry))
-            return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns)
+            return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
                                        for s in (os.stat(entry / CONFIG_FILE), os.stat(entry / WEIGHTS_FILE)))
         except (OSError, ValueError):
             return None
@@ -135,14 +172,20 @@ class AdapterResolver:
 
     def _folder_digest(self, path: Path) -> str:
         files = [path / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (path / n).is_file()]
-        key = (str(path), tuple((f.name, f.stat().st_ino, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        stats = [(f.name, f.stat()) for f in files]
+        key = (str(path), tuple((n, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for n, s in stats))
         if key not in self._folder_digests:
-            if len(files) < 2:
-                self.validate(path, False)  # raises the precise reason (missing config, pickle only, ...)
+            if len(files) < 2 or (self.max_bytes is not None and sum(s.st_size for _, s in stats) > self.max_bytes):
+                # Before hashing: raises the precise reason (missing config, pickle only, over the cap).
+                self.validate(path, False)
             self._folder_digests[key] = files_digest([{"name": f.name, "sha256": sha256_file(f)} for f in files])
         return self._folder_digests[key]
 
     def id_for(self, digest: str) -> int:
+        with self._lock:
+            return self._id_for(digest)
+
+    def _id_for(self, digest: str) -> int:
         if digest not in self._ids:
             candidate = int(digest[:8], 16) & _ID_MASK or 1
             while candidate in self._taken:
