@@ -29,6 +29,10 @@ class Case:
     save: str = "pretrained"                  # pretrained | raw_state_dict | no_prefix | double_prefix
     dtype: str = ""                           # save the weights in this dtype (bfloat16, float16)
     normalized: str = ""                      # a needle of what `show` says was normalised
+    # Saved the wrong way after PEFT made it: these config keys overwritten in the user's copy,
+    # and (nonfinite) one weight set to NaN / inf, as a diverged float16 run leaves it.
+    config_edit: tuple = ()
+    nonfinite: str = ""
 
 
 def _lora(**kw):
@@ -74,6 +78,17 @@ CASES = [
     Case("lm-head", lambda: _lora(target_modules=["lm_head"])),
     Case("trainable-tokens", lambda: _lora(trainable_token_indices=[5, 9]), refused="trainable tokens"),
     Case("rank-pattern-too-big", lambda: _lora(rank_pattern={"o_proj": 32}), refused="--max-lora-rank 32"),
+    # issue 37, findings 2 and 3: what PEFT would not apply, or what would poison the engine
+    Case("targets-fewer-than-tensors", lambda: _lora(), config_edit=(("target_modules", ["q_proj"]),),
+         refused="which the config's target_modules leave out"),
+    Case("regex-matching-nothing", lambda: _lora(), config_edit=(("target_modules", r".*\.nothing_proj"),),
+         refused="matches no module of the base model"),
+    Case("invalid-rank-pattern", lambda: _lora(), config_edit=(("rank_pattern", {"q_proj(": 4}),),
+         refused="invalid pattern"),
+    Case("nan-weight", lambda: _lora(), nonfinite="nan", refused="not finite (NaN or inf)"),
+    Case("inf-weight-fp16", lambda: _lora(), dtype="float16", nonfinite="inf", refused="not finite (NaN or inf)"),
+    Case("alpha-overflow", lambda: _lora(), config_edit=(("lora_alpha", 1e38),),
+         refused="beyond what half precision holds"),
     Case("ia3", _ia3, refused="peft_type is 'IA3'"),
     Case("loha", _loha, refused="peft_type is 'LOHA'"),
 ]
@@ -100,9 +115,11 @@ def build(case: Case, model_dir: Path, dest: Path, scale: float = 0.08) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     reference = dest.parent / f"{dest.name}.peft"
     model.save_pretrained(reference)
-    if case.save == "pretrained" and not case.dtype:
-        return _copy(reference, dest)
+    if case.save == "pretrained" and not case.dtype and not case.nonfinite:
+        _copy(reference, dest)
+        return _edited(case, dest) or dest
     _copy(reference, dest)
+    _edited(case, dest)
     from safetensors.torch import load_file
 
     if case.save == "raw_state_dict":  # what saving model.state_dict() in a notebook gives
@@ -116,8 +133,19 @@ def build(case: Case, model_dir: Path, dest: Path, scale: float = 0.08) -> Path:
     if case.dtype:
         tensors = {k: v.to(getattr(torch, case.dtype)) for k, v in tensors.items()}
         save_file({k: v.contiguous() for k, v in tensors.items()}, reference / "adapter_model.safetensors")
+    if case.nonfinite:
+        key = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[0] = float(case.nonfinite)
     save_file({k: v.contiguous() for k, v in tensors.items()}, dest / "adapter_model.safetensors")
     return reference
+
+
+def _edited(case: Case, dest: Path) -> None:
+    if case.config_edit:
+        config = json.loads((dest / "adapter_config.json").read_text())
+        config.update(dict(case.config_edit))
+        (dest / "adapter_config.json").write_text(json.dumps(config))
 
 
 def _copy(source: Path, dest: Path) -> Path:

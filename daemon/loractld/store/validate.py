@@ -1,15 +1,13 @@
 """Adapter validation: everything checked before an adapter is installed or loaded.
 
 Each check refuses with one :class:`InvalidAdapter` line and a hint, and reads only what it
-needs: JSON files, safetensors *headers*, and the tensor data once as raw bits to find values
-that are not finite (``check_values``). Weights are never unpickled (``.bin`` is refused).
+needs: JSON files, safetensors *headers*, and (``store.semantics``) the tensor data once as raw
+bits. Weights are never unpickled (``.bin`` is refused).
 
 Invariant: an adapter that passes ``validate_adapter`` against a base model's shapes has only
-LoRA A/B tensors for modules the base model has, with shapes that fit them, a rank within the
-daemon's limit, well-formed, complete safetensors files, only finite weights, and scalings
-(``lora_alpha / r``, per module with the patterns, rsLoRA's square root) that half precision
-holds: a NaN or an overflow in one adapter's output must never reach the engine, where it was
-seen to change other requests' tokens (issue 37, finding 2).
+LoRA A/B tensors for modules the base model has and its config targets as PEFT reads it, with
+shapes that fit them, a rank within the daemon's limit, well-formed, complete safetensors
+files, only finite weights, and scalings that half precision holds (``store.semantics``).
 """
 
 from __future__ import annotations
@@ -27,17 +25,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20
-# The largest scaling an adapter may have: float16's largest finite value. A scaling that alone
-# overflows half precision (lora_alpha 1e38) turns every output it touches into inf or NaN.
-MAX_SCALING = 65504.0
-_VALUE_CHUNK = 16 << 20  # bytes of tensor data looked at per step (bounds the temporary arrays)
-# The bits that make a value not finite, per safetensors dtype: (unsigned view, exponent mask, NaN-only).
-_NONFINITE_BITS = {
-    "F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
-    "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F),   # E4M3: S.1111.111 is NaN
-}
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
-
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
@@ -200,68 +188,14 @@ def validate_adapter(
     tensors = read_safetensors_header(weights)
     _refuse_unnormalized_keys(list(tensors))
     modules = _check_tensors(tensors, ranks, base_shapes)
-    _check_scalings(config, ranks, modules)
+    from loractld.store.semantics import Targets, check_scalings, check_values  # they import this module
+
+    Targets.of(config).check(tensors, base_shapes)
+    check_scalings(config, ranks)
     check_values(weights)
     alpha = config.get("lora_alpha", ranks.r)
     return AdapterFacts(rank=ranks.largest, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(ranks.r),
                         target_modules=sorted(modules), base_model=base, peft_config=config)
-
-
-def _check_scalings(config: dict, ranks: _Ranks, modules: set[str]) -> None:
-    """Refuse a ``lora_alpha`` (or ``alpha_pattern`` value) that is not a finite number, and a
-    scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) beyond what float16 holds."""
-    alphas = {"lora_alpha": config.get("lora_alpha", ranks.r)}
-    pattern = config.get("alpha_pattern") or {}
-    if not isinstance(pattern, dict):
-        raise InvalidAdapter(f"{CONFIG_FILE} has an invalid alpha_pattern ({pattern!r})", "Fix or re-pull the adapter.")
-    alphas.update({f"alpha_pattern[{k!r}]": v for k, v in pattern.items()})
-    rsl = bool(config.get("use_rslora"))
-    for where, alpha in alphas.items():
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise InvalidAdapter(f"{CONFIG_FILE}: {where} is {alpha!r}, not a finite number",
-                                 "Fix the adapter's config (lora_alpha is usually r or 2r).")
-        for rank in {ranks.r, *ranks.pattern.values()}:
-            scaling = abs(alpha) / (math.sqrt(rank) if rsl else rank)
-            if scaling > MAX_SCALING:
-                raise InvalidAdapter(
-                    f"{CONFIG_FILE}: {where} = {alpha:g} at rank {rank} scales the adapter's output by {scaling:.3g}, "
-                    f"beyond what half precision holds ({MAX_SCALING:g}): its outputs would overflow to inf/NaN",
-                    "Fix the adapter's config (lora_alpha is usually r or 2r).")
-
-
-def check_values(weights: Path) -> None:
-    """Refuse a weights file holding a NaN or an infinity (a diverged float16 run saves such
-    checkpoints): the tensor data is read once, as raw bits (no float conversion, numpy only),
-    a bounded chunk at a time. Integer tensors have no such values and are skipped."""
-    import mmap
-
-    import numpy
-
-    tensors = read_safetensors_header(weights)
-    with open(weights, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        base = 8 + header_len
-        if f.seek(0, 2) <= base:
-            return
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            header = json.loads(data[8:base])
-            for name, info in tensors.items():
-                if info.dtype not in _NONFINITE_BITS:
-                    continue
-                view, mask = _NONFINITE_BITS[info.dtype]
-                start, end = (base + o for o in header[name]["data_offsets"])
-                width = numpy.dtype(view).itemsize
-                bad = 0
-                for at in range(start, end, _VALUE_CHUNK):
-                    chunk = numpy.frombuffer(data, dtype=view, count=(min(end, at + _VALUE_CHUNK) - at) // width,
-                                             offset=at)
-                    bad += int(numpy.count_nonzero((chunk & mask) == mask))
-                    del chunk  # the mmap cannot close while a view of it lives
-                if bad:
-                    raise InvalidAdapter(
-                        f"tensor {name!r} holds {bad} value(s) that are not finite (NaN or inf)",
-                        "The training run diverged (a float16 overflow, often): retrain, or use an earlier "
-                        "checkpoint. Served, such an adapter was seen to change other requests' answers.")
 
 
 def _refuse_unnormalized_keys(keys: list[str]) -> None:
@@ -319,6 +253,9 @@ class _Ranks:
         pattern = config.get("rank_pattern") or {}
         if not isinstance(pattern, dict) or not all(_positive_int(v) for v in pattern.values()):
             raise InvalidAdapter(f"{CONFIG_FILE} has an invalid rank_pattern ({pattern!r})", "Fix or re-pull the adapter.")
+        for field_name in ("rank_pattern", "alpha_pattern"):
+            for key in (config.get(field_name) or {}) if isinstance(config.get(field_name), dict) else ():
+                _compiled(field_name, rf"(.*\.)?({key})$", key)
         return cls(rank, dict(pattern))
 
     @property
@@ -338,6 +275,14 @@ class _Ranks:
             if re.match(rf"(.*\.)?({key})$", module):
                 return rank
         return self.r
+
+
+def _compiled(field_name: str, pattern: str, shown: str | None = None) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except (re.error, TypeError) as e:
+        raise InvalidAdapter(f"{CONFIG_FILE}: {field_name} holds an invalid pattern ({shown or pattern!r}: {e})",
+                             "Fix the adapter's config: PEFT reads these keys as regular expressions.") from e
 
 
 def _positive_int(value) -> bool:
