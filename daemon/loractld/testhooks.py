@@ -4,6 +4,7 @@ The race tests (tests/test_races.py) stop one operation at a named point, run an
 into the gap, then let the first go on. Points:
 
     resolved        a generation resolved its adapter (and took its lease), before it runs
+    preflighted     a generation's adapter passed the engine's preflight, before it is admitted
     pin-claimed     a pin checked the caps and claimed its place, before it asks the engine
     store-installed a pull's object is renamed into .objects/; the name's link is not swapped
 

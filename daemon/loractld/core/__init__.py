@@ -292,6 +292,7 @@ class Core(DiskOps):
             await testhooks.pause("resolved")
             if adapter is not None:  # the engine's own loader has the last word, once per content
                 await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
+                await testhooks.pause("preflighted")
             if request.messages is not None:
                 if not request.messages:
                     raise InvalidRequest("no messages", "Send at least one message.")

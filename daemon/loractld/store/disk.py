@@ -5,6 +5,9 @@ Layout under the store root (``<data dir>/adapters``)::
     .objects/<id>/          one installed adapter: adapter_config.json,
                             adapter_model.safetensors, loractl-manifest.json
     .tmp/<random>/          pulls in progress (removed on every daemon start)
+    .snapshots/<digest>/    private read-only copies of adapters used in place (a folder given to
+                            --lora, an entry placed by hand): what the engine loads (``snapshot``);
+                            removed on every daemon start
     sql-expert/v1 -> ../.objects/<id>     a pulled adapter: a relative symlink
     org/name/ (a real folder)             placed by hand (the seeds' <name>/<version>/ layout)
 
@@ -26,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -101,7 +105,8 @@ class Store:
         self.root = Path(root)
         self.objects = self.root / ".objects"
         self.tmp = self.root / ".tmp"
-        for folder in (self.root, self.objects, self.tmp):
+        self.snapshots = self.root / ".snapshots"
+        for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[tuple, dict] = {}
         self.lock = threading.RLock()
@@ -114,8 +119,13 @@ class Store:
     def recover(self) -> list[str]:
         """Remove what interrupted pulls left behind; return what was removed."""
         removed = []
-        for leftover in self.tmp.iterdir():
-            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        for leftover in [*self.tmp.iterdir(), *self.snapshots.iterdir()]:
+            if leftover.is_dir():
+                for f in leftover.iterdir():  # snapshots are read-only
+                    os.chmod(f, 0o600)
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink()
             removed.append(str(leftover))
         removed += self.collect_garbage()
         for link in self._links():
@@ -255,6 +265,37 @@ class Store:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def snapshot(self, folder: Path) -> tuple[Path, str]:
+        """A private copy of the adapter files in ``folder`` (used in place: a ``--lora`` folder,
+        an entry placed by hand), and its content digest: ``(.snapshots/<digest>, digest)``.
+
+        The files are copied and hashed in one read; the copy is made read-only and renamed into
+        place whole, so what the engine loads (and preflight checked) are exactly the bytes this
+        digest names, whatever happens to ``folder`` afterwards. A user who rewrites the folder
+        changes nothing already resolved: the next resolve sees new stats, hence new content."""
+        sources = [folder / n for n in (CONFIG_FILE, WEIGHTS_FILE)]
+        self.check_free_space(sum(f.stat().st_size for f in sources))
+        with self.staging() as staged:
+            records = []
+            for source in sources:
+                try:
+                    size, digest = _copy_hashing(source, staged / source.name)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise DiskFull(f"no space left for a private copy of {folder}",
+                                       "Free space in the adapter store.") from e
+                    raise
+                records.append({"name": source.name, "size": size, "sha256": digest})
+            content = files_digest(records)
+            dest = self.snapshots / content
+            with self.lock:
+                if not (dest / WEIGHTS_FILE).exists():
+                    for f in staged.iterdir():
+                        os.chmod(f, 0o444)
+                    os.rename(staged, dest)
+                    staged.mkdir()  # staging removes its folder on the way out
+        return dest, content
+
     def check_free_space(self, needed: int, reserve: int = 64 << 20) -> None:
         free = shutil.disk_usage(self.root).free
         if free < needed + reserve:
@@ -367,6 +408,21 @@ class Store:
 
 class DamagedManifest(Exception):
     """A pulled adapter's manifest cannot be read (not JSON, not a manifest)."""
+
+
+def _copy_hashing(source: Path, dest: Path) -> tuple[int, str]:
+    """Copy ``source`` to ``dest`` and return (size, sha256) of the bytes written: one read."""
+    import hashlib
+
+    h, size = hashlib.sha256(), 0
+    with open(source, "rb") as src, open(dest, "wb") as out:
+        while chunk := src.read(1 << 20):
+            h.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return size, h.hexdigest()
 
 
 def files_digest(records: list[dict]) -> str:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
-from loractld.store.sources import sha256_file
 from loractld.store.disk import Store, files_digest
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
@@ -127,16 +126,18 @@ class AdapterResolver:
 
     def _resolve(self, lora: str) -> AdapterRef:
         if os.path.isabs(lora):
-            path = Path(lora)
-            if not path.is_dir():
-                raise AdapterNotFound(f"no adapter folder at {path}")
-            digest = self._folder_digest(path)
-            label = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+            source = Path(lora)
+            if not source.is_dir():
+                raise AdapterNotFound(f"no adapter folder at {source}")
+            path, digest = self._snapshot(source)
+            label = f"{source.parent.name}/{source.name}" if source.parent.name else source.name
             forced = False
         else:
             stored = self.store.get(lora)
-            path = stored.path
-            digest = files_digest(stored.manifest["files"])
+            if stored.hand_placed:  # used in place, like a folder: served from a private copy
+                path, digest = self._snapshot(stored.path)
+            else:  # pulled: an installed object, never rewritten
+                path, digest = stored.path, files_digest(stored.manifest["files"])
             label = lora
             # A pull --force accepted another base model's name once; every use honours it.
             forced = bool(stored.manifest.get("forced"))
@@ -170,16 +171,21 @@ class AdapterResolver:
             raise result
         return result
 
-    def _folder_digest(self, path: Path) -> str:
+    def _snapshot(self, path: Path) -> tuple[Path, str]:
+        """The private copy of the adapter used in place at ``path`` (``Store.snapshot``) and its
+        digest: made once per content, found again while the files' stats are unchanged."""
         files = [path / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (path / n).is_file()]
         stats = [(f.name, f.stat()) for f in files]
         key = (str(path), tuple((n, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for n, s in stats))
-        if key not in self._folder_digests:
-            if len(files) < 2 or (self.max_bytes is not None and sum(s.st_size for _, s in stats) > self.max_bytes):
-                # Before hashing: raises the precise reason (missing config, pickle only, over the cap).
-                self.validate(path, False)
-            self._folder_digests[key] = files_digest([{"name": f.name, "sha256": sha256_file(f)} for f in files])
-        return self._folder_digests[key]
+        known = self._folder_digests.get(key)
+        if known is not None and (self.store.snapshots / known / WEIGHTS_FILE).exists():
+            return self.store.snapshots / known, known
+        if len(files) < 2 or (self.max_bytes is not None and sum(s.st_size for _, s in stats) > self.max_bytes):
+            # Before copying: raises the precise reason (missing config, pickle only, over the cap).
+            self.validate(path, False)
+        copy, digest = self.store.snapshot(path)
+        self._folder_digests[key] = digest
+        return copy, digest
 
     def id_for(self, digest: str) -> int:
         with self._lock:

@@ -22,7 +22,7 @@ ids costs about a microsecond per step.
 
 Loads that cannot end the engine: ``_load_adapter``, which vLLM calls inside a step, is
 wrapped (``_guarded_load``) so that a failure is journaled to a file and a harmless dummy
-stands in; ``loractl_preflight`` runs the unwrapped loader, whose exception is its answer.
+stands in; so is ``activate_adapter``, the copy into a device slot (``_guarded_activate``); ``loractl_preflight`` runs the unwrapped loader, whose exception is its answer.
 It runs on a thread of its own (``loractl_preflight_start`` / ``_poll``), so no step waits for
 it: the one exception to "between steps" above, safe because it changes nothing shared.
 """
@@ -44,6 +44,9 @@ BROKEN_JOURNAL = "LORACTL_BROKEN_JOURNAL"
 # adapter in a step fails once (the file is removed), as a real loader failure would. Preflight
 # never sees it: it stands for what slips past preflight.
 LOAD_FAULT = "LORACTL_TEST_LOAD_FAULT"
+# Test-only, likewise for the copy into a device slot: while the file this names holds an
+# adapter's engine id, activating it fails once (set_lora's size mismatch stands for it).
+ACTIVATE_FAULT = "LORACTL_TEST_ACTIVATE_FAULT"
 # Benchmark-only: record each step's start (loractl_step_times), to show what waits on what.
 STEP_TIMES = "LORACTL_STEP_TIMES"
 STEP_TIMES_LIMIT = 65536
@@ -350,6 +353,48 @@ def _guarded_load(load):
     return wrapper
 
 
+def _guarded_activate(activate):
+    """``activate_adapter`` (the copy of a host adapter into a device slot, inside a step) that
+    cannot end the engine either: a failure (``set_lora`` on a layer of the wrong size, say) is
+    journaled like a failed load, the slot the adapter was given is zeroed (the base model's
+    output, which no client sees: the daemon fails the requests that asked for it before their
+    first token), and the step completes. A failure before a slot was given is re-raised: that
+    is the scheduler's invariant (the admission gate keeps it), not the adapter's fault."""
+    @functools.wraps(activate)
+    def wrapper(self, lora_id):
+        try:
+            result = activate(self, lora_id)
+            _injected_activate_fault(lora_id)  # as a set_lora failing on the last module would
+            return result
+        except Exception as e:
+            if lora_id not in self.lora_index_to_id:
+                raise
+            _journal_broken(lora_id, e)
+            index = self.lora_index_to_id.index(lora_id)
+            for module in self.modules.values():
+                reset = getattr(module, "reset_lora", None)
+                if reset is not None:
+                    reset(index)
+            return True
+
+    wrapper._loractl_guarded = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _injected_activate_fault(lora_id: int) -> None:
+    armed = os.environ.get(ACTIVATE_FAULT)
+    if not armed:
+        return
+    try:
+        with open(armed) as f:
+            if f.read().strip() != str(lora_id):
+                return
+        os.unlink(armed)
+    except FileNotFoundError:
+        return
+    raise RuntimeError(f"injected activation fault ({ACTIVATE_FAULT})")
+
+
 def _one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).strip() or type(error).__name__).splitlines()[0]}"
 
@@ -399,6 +444,10 @@ def install() -> None:
             setattr(LRUCacheWorkerLoRAManager, name, _journaled(method))
     if not hasattr(LRUCacheWorkerLoRAManager._load_adapter, "_loractl_unguarded"):
         LRUCacheWorkerLoRAManager._load_adapter = _guarded_load(LRUCacheWorkerLoRAManager._load_adapter)
+    from vllm.lora.model_manager import LoRAModelManager
+
+    if not getattr(LoRAModelManager.activate_adapter, "_loractl_guarded", False):
+        LoRAModelManager.activate_adapter = _guarded_activate(LoRAModelManager.activate_adapter)
     if os.environ.get(STEP_TIMES) == "1":
         from vllm.v1.worker.gpu_worker import Worker
 

@@ -1,0 +1,122 @@
+"""An adapter used in place (a folder given to --lora) is served from a private copy named by
+its content, so what preflight checked is what the engine loads, whatever happens to the folder
+afterwards; and a failure copying an adapter into a device slot inside a step cannot end the
+engine (issue 37, finding 1). A real daemon and engine; outputs checked against HF + PEFT."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from adapter_factory import replace_tensors
+from conftest import collect, start_daemon, sub_home
+from loractl import Client
+from loractl.errors import LoractlError
+from loractld.store.disk import files_digest
+from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE
+
+ADAPTERS = ("sql-expert/v1", "poet/v1")   # same rank and targets: same file size, other weights
+
+
+@pytest.fixture(scope="module")
+def isolated(home):
+    root = sub_home(home, "isolation")
+    pauses = root / "pauses"
+    pauses.mkdir(exist_ok=True)
+    fault = root / "activate-fault"
+    d = start_daemon(root, name="iso", env={"LORACTL_TEST_PAUSE_DIR": str(pauses),
+                                            "LORACTL_TEST_ACTIVATE_FAULT": str(fault)})
+    yield d, root, pauses, fault
+    d.stop()
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        shutil.copyfile(src / name, dest / name)
+    return dest
+
+
+def _ask(sock, lora: str | None) -> list[int]:
+    async def go():
+        async with Client(sock) as client:
+            return (await collect(client, messages=[{"role": "user", "content": "hi"}], lora=lora, max_tokens=8,
+                                  min_tokens=8, temperature=0.0))["ids"]
+    return asyncio.run(go())
+
+
+def _wrong_shapes(tensors):
+    import torch
+
+    for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+        tensors[key] = torch.randn(tensors[key].shape[0], tensors[key].shape[1] * 2)
+
+
+def test_a_folder_rewritten_after_its_preflight_is_served_as_checked(isolated, demo, reference, tmp_path):
+    """The folder passes preflight, then (held at the 'preflighted' point, as a request waiting
+    at the gate would be) its weights are replaced by ones of the wrong size under the same
+    names. Before, vLLM then loaded the new bytes inside a step: set_lora raised and the engine
+    died. Now the request is served from the checked copy, as the reference says."""
+    d, root, pauses, _ = isolated
+    folder = _copy(demo / "adapters" / ADAPTERS[0], tmp_path / "live")
+    expected = reference.greedy(reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[0], 8, 8)
+    arming = pauses / "preflighted"
+    arming.touch()
+    got: dict = {}
+    runner = threading.Thread(target=lambda: got.update(ids=_ask(d.socket, str(folder))))
+    runner.start()
+    deadline = time.monotonic() + 120
+    while not (pauses / "preflighted.reached").exists():
+        assert time.monotonic() < deadline and runner.is_alive(), "the request never reached its preflight"
+        time.sleep(0.05)
+    replace_tensors(folder, _wrong_shapes)
+    arming.unlink()
+    runner.join(120)
+    assert got.get("ids") == expected
+    assert d.proc.poll() is None
+    assert _ask(d.socket, None) == reference.greedy(reference.chat_ids("hi"), None, 8, 8)
+
+
+def test_a_same_size_rewrite_with_its_mtime_restored_is_seen(isolated, demo, reference, tmp_path):
+    """Before, the folder's digest was cached by path, inode, size and mtime: a same-size rewrite
+    that restored the mtime was never hashed again, and the new bytes were served under the
+    old content's name once vLLM reloaded them. The ctime moves with any write."""
+    d, *_ = isolated
+    folder = _copy(demo / "adapters" / ADAPTERS[0], tmp_path / "edited")
+    first = _ask(d.socket, str(folder))
+    assert first == reference.greedy(reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[0], 8, 8)
+    weights = folder / WEIGHTS_FILE
+    before = weights.stat()
+    shutil.copyfile(demo / "adapters" / ADAPTERS[1] / WEIGHTS_FILE, weights)
+    assert weights.stat().st_size == before.st_size
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    other = _copy(folder, tmp_path / "other-copy")   # the reference keys by path: a path of its own
+    assert _ask(d.socket, str(folder)) == reference.greedy(reference.chat_ids("hi"), other, 8, 8) != first
+
+
+def test_a_failed_copy_into_a_device_slot_fails_that_request_only(isolated, demo, reference, tmp_path):
+    """The activation (set_lora into a slot, inside a step) fails once, injected: the request
+    is refused in one line before any token, the engine keeps serving, and the content is
+    marked failed."""
+    d, _, _, fault = isolated
+    folder = _copy(demo / "adapters" / ADAPTERS[1], tmp_path / "activate")
+    records = [{"name": n, "sha256": hashlib.sha256((folder / n).read_bytes()).hexdigest()}
+               for n in (CONFIG_FILE, WEIGHTS_FILE)]
+    engine_id = int(files_digest(records)[:8], 16) & ((1 << 31) - 1) or 1
+    fault.write_text(str(engine_id))
+    with pytest.raises(LoractlError) as refused:
+        _ask(d.socket, str(folder))
+    assert refused.value.kind == "invalid_adapter" and "injected activation fault" in refused.value.message, \
+        (refused.value.message, d.log_tail(60))
+    assert not fault.exists(), "the fault was not reached: the adapter took another id"
+    assert d.proc.poll() is None
+    assert _ask(d.socket, None) == reference.greedy(reference.chat_ids("hi"), None, 8, 8)
+    assert _ask(d.socket, str(demo / "adapters" / ADAPTERS[0])) == reference.greedy(
+        reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[0], 8, 8)
