@@ -93,8 +93,10 @@ def fleet(home: Path, demo: Path):
         sub = root / name
         sub.mkdir(exist_ok=True)
         # One model folder for both: the fleet's workers serve the same base model.
+        # a takes folders over Dynamo's load_lora (file://); b keeps the default: Hub references only.
+        folders = ["--dynamo-allow-folders"] if name == "a" else []
         return start_daemon(sub, "--dynamo", "--dynamo-discovery", "file", "--served-model-name", "tiny",
-                            "--max-model-len", str(CONTEXT), name=name,
+                            "--max-model-len", str(CONTEXT), *folders, name=name,
                             model=str(demo / "model"), env={**env, "DYN_SYSTEM_PORT": str(ports[name])})
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -223,6 +225,25 @@ def test_dynamo_lora_management_on_the_system_port(fleet, demo):
     assert a.cli("show", "poet/v1").returncode != 0
     missing = a.loras("DELETE", name="poet/v1")
     assert missing["status"] == "error" and "not found" in missing["message"]
+    log = a.daemon.log.read_text()
+    assert "audit dynamo=system-port op=dynamo-load target=poet/v1 <- file://" in log and "result=ok" in log
+    assert "audit dynamo=system-port op=dynamo-unload target=poet/v1 result=ok" in log
+
+
+def test_dynamo_lora_management_is_loopback_and_hub_only_by_default(fleet, demo):
+    """Issue 37, finding 4: the system port listened on every interface, and any caller (user
+    nobody) could make the daemon install a folder it reads with its own rights. By default the
+    port listens on loopback, and a file:// source is refused, audited."""
+    b = fleet["b"]
+    listening = subprocess.run(["ss", "-ltnH", f"sport = :{b.system_port}"], capture_output=True, text=True).stdout
+    local = [line.split()[3] for line in listening.splitlines() if line.strip()]
+    assert local == [f"127.0.0.1:{b.system_port}"], listening   # not 0.0.0.0 or *, Dynamo's default
+    folder = demo / "adapters" / "poet" / "v1"
+    refused = b.loras("POST", {"lora_name": "poet/v1", "source": {"uri": f"file://{folder}"}})
+    assert refused["status"] == "error" and "--dynamo-allow-folders" in refused["message"], refused
+    assert "poet/v1" not in b.loras()["loras"]
+    assert f"audit dynamo=system-port op=dynamo-load target=poet/v1 <- file://{folder} result=denied" in \
+        b.daemon.log.read_text()
 
 
 def _frontend_python() -> tuple[str | None, str]:

@@ -55,8 +55,9 @@ def fleet(home: Path, demo: Path):
             sub = root / f"host{host}"
             sub.mkdir(exist_ok=True)
             env = {**rig.dynamo_env(host), "DYN_SYSTEM_PORT": str(ports[host]), "HF_ENDPOINT": hub.endpoint}
+            # The fleet's hosts reach each other's system port (/v1/loras) on their own addresses.
             daemon = start_daemon(sub, "--dynamo", "--dynamo-discovery", "etcd", "--served-model-name", "tiny",
-                                  "--auto-pull", name=f"host{host}", model=str(demo / "model"), env=env,
+                                  "--auto-pull", "--dynamo-system-host", "0.0.0.0", name=f"host{host}", model=str(demo / "model"), env=env,
                                   prefix=["ip", "netns", "exec", rig.ns(host)])
             rig.procs.append(daemon.proc)  # the rig kills it, and its engine, whatever happens
             return daemon

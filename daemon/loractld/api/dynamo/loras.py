@@ -7,6 +7,12 @@ store already holds answers success without pulling again, as Dynamo's own worke
 hot swap is on. Unload withdraws the card first (no request is routed here for it any more),
 then removes the adapter from the store; a refusal (pinned, in use) puts the card back.
 Every answer is Dynamo's ``{"status": "success" | "error", "message", ...}``.
+
+Who calls cannot be known here (the runtime serves the system port and the request plane; no
+peer, no key reaches the handler): each load and unload is audited as ``dynamo=system-port``
+(``core.policy``), the port listens on loopback unless ``--dynamo-system-host`` says otherwise,
+and a ``file://`` source (a folder the daemon would read with its own rights) is refused unless
+``--dynamo-allow-folders``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,10 @@ from urllib.parse import unquote, urlparse
 from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
 
 from loractld.api.dynamo.protocol import described
+from loractld.core import policy
+
+# Dynamo's LoRA management: the fleet's operations, by a caller nobody can name.
+FLEET_ADMIN = policy.Caller("dynamo", peer="dynamo=system-port", fleet=True)
 
 if TYPE_CHECKING:
     from loractld.api.dynamo.worker import DynamoWorker
@@ -51,16 +61,23 @@ class LoraManagement:
     async def load(self, request: dict[str, Any], context=None):
         try:
             name, uri = _load_fields(request)
-            if name not in await self.worker.stored_names():
-                ref = pull_ref(uri)
-                _log.info("dynamo: pulling %s as %s", ref, name)
-                async with contextlib.aclosing(self.core.pull(ref, name=name)) as events:
-                    async for _ in events:
-                        pass
-                message = f"LoRA adapter '{name}' loaded successfully"
-            else:
-                message = f"LoRA adapter '{name}' already loaded"
-            await self.worker.publish(name)
+            ref = pull_ref(uri)
+            folder = os.path.isabs(ref)
+            async with policy.authorized(FLEET_ADMIN, None, "dynamo-load", f"{name} <- {uri}",
+                                         also=not folder or self.worker.settings.allow_folders,
+                                         refusal=f"install {name!r} from a folder on this host (file://)",
+                                         hint="The daemon would read it with its own rights for a caller it cannot "
+                                              "identify: pull it with loractl pull, give a Hub reference, or start "
+                                              "loractld with --dynamo-allow-folders."):
+                if name not in await self.worker.stored_names():
+                    _log.info("dynamo: pulling %s as %s", ref, name)
+                    async with contextlib.aclosing(self.core.pull(ref, name=name)) as events:
+                        async for _ in events:
+                            pass
+                    message = f"LoRA adapter '{name}' loaded successfully"
+                else:
+                    message = f"LoRA adapter '{name}' already loaded"
+                await self.worker.publish(name)
         except LoractlError as e:
             yield {"status": "error", "message": described(e), "lora_name": request.get("lora_name")}
             return
@@ -76,12 +93,14 @@ class LoraManagement:
                 raise AdapterNotFound(f"LoRA adapter '{name}' not found",
                                       "GET /v1/loras lists the adapters this worker holds.")
             lora_id = self.worker.lora_id(name)
-            await self.worker.withdraw(name)
-            try:
-                await self.core.remove(name)
-            except LoractlError:
-                await self.worker.publish(name)  # still stored: still served
-                raise
+            async with policy.authorized(FLEET_ADMIN, None, "dynamo-unload", name, also=True,
+                                         refusal="unload", hint=""):
+                await self.worker.withdraw(name)
+                try:
+                    await self.core.remove(name)
+                except LoractlError:
+                    await self.worker.publish(name)  # still stored: still served
+                    raise
         except LoractlError as e:
             yield {"status": "error", "message": described(e), "lora_name": name}
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 
@@ -21,6 +22,12 @@ class DynamoSettings:
     enabled: bool = False
     discovery: str = "etcd"
     namespace: str = DEFAULT_NAMESPACE
+    # The runtime's system port (/health, /v1/loras) listens here. Dynamo's own default is every
+    # interface, and its LoRA routes cannot tell who calls (no key, no peer): loopback unless told.
+    system_host: str = "127.0.0.1"
+    # Whether Dynamo's load_lora may name a folder on this host (file://): the daemon reads it with
+    # its own rights, for a caller it cannot identify. Hub references are always allowed.
+    allow_folders: bool = False
 
     @property
     def generate_path(self) -> str:
@@ -39,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "a folder shared with the frontend) or kubernetes (default: etcd)")
     parser.add_argument("--dynamo-namespace", metavar="NS", default=DEFAULT_NAMESPACE,
                         help=f"the Dynamo namespace to register in (default: {DEFAULT_NAMESPACE})")
+    parser.add_argument("--dynamo-system-host", metavar="HOST", default=None,
+                        help="the address of the runtime's system port (/health, /v1/loras) (default: "
+                             "DYN_SYSTEM_HOST if set, else 127.0.0.1; Dynamo's own default is every interface)")
+    parser.add_argument("--dynamo-allow-folders", action="store_true",
+                        help="let Dynamo's load_lora (POST /v1/loras) install from a folder on this host "
+                             "(file://): the daemon reads it with its own rights (default: Hub references only)")
 
 
 def settings_from(args: argparse.Namespace) -> DynamoSettings:
@@ -49,4 +62,6 @@ def settings_from(args: argparse.Namespace) -> DynamoSettings:
         # Before the engine starts: a missing runtime fails in a second, not after the engine's start-up.
         raise InvalidRequest("--dynamo needs the Dynamo runtime, which is not installed",
                              "Install the extra: pip install 'loractl[dynamo]' (the ai-dynamo-runtime wheel).")
-    return DynamoSettings(enabled=bool(args.dynamo), discovery=args.dynamo_discovery, namespace=args.dynamo_namespace)
+    host = args.dynamo_system_host or os.environ.get("DYN_SYSTEM_HOST") or "127.0.0.1"
+    return DynamoSettings(enabled=bool(args.dynamo), discovery=args.dynamo_discovery, namespace=args.dynamo_namespace,
+                          system_host=host, allow_folders=bool(args.dynamo_allow_folders))

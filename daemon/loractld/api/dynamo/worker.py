@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ class DynamoWorker:
         status = await self.core.status()
         self.model_path, self.max_loras = status.engine.model, status.engine.max_loras
         self._limits = (status.engine.max_model_len, status.engine.max_num_seqs)
+        os.environ["DYN_SYSTEM_HOST"] = self.settings.system_host  # read by the runtime as it starts
         try:
             self.runtime = DistributedRuntime(asyncio.get_running_loop(), self.settings.discovery, "tcp")
         except Exception as e:  # the runtime's own errors (etcd unreachable, no DYN_FILE_KV) are plain Exceptions
