@@ -120,3 +120,29 @@ def test_a_failed_copy_into_a_device_slot_fails_that_request_only(isolated, demo
     assert _ask(d.socket, None) == reference.greedy(reference.chat_ids("hi"), None, 8, 8)
     assert _ask(d.socket, str(demo / "adapters" / ADAPTERS[0])) == reference.greedy(
         reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[0], 8, 8)
+
+
+def test_an_adapter_with_a_nan_weight_never_reaches_the_engine(isolated, demo, reference, tmp_path):
+    """Issue 37, finding 2: one NaN weight, served, turned the adapter's answer to token 0 and
+    then other clients' base-model answers too (stale non-finite values in reused KV blocks:
+    reproduced on the CPU engine). It is refused at first use by folder and by a name placed by
+    hand, before the engine loads it; every other answer beside it stays the reference's."""
+    d, root, _, _ = isolated
+
+    def nan(tensors):
+        key = sorted(k for k in tensors if "lora_B" in k)[0]
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[5] = float("nan")
+
+    folder = replace_tensors(_copy(demo / "adapters" / ADAPTERS[0], tmp_path / "nan"), nan)
+    placed = root / "adapters" / "poison" / "v1"
+    _copy(folder, placed)
+    base = reference.greedy(reference.chat_ids("hi"), None, 8, 8)
+    for lora in (str(folder), "poison/v1"):
+        with pytest.raises(LoractlError) as refused:
+            _ask(d.socket, lora)
+        assert refused.value.kind == "invalid_adapter" and "not finite (NaN or inf)" in refused.value.message
+        assert _ask(d.socket, None) == base
+    assert _ask(d.socket, str(demo / "adapters" / ADAPTERS[1])) == reference.greedy(
+        reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[1], 8, 8)
+    shutil.rmtree(placed.parent)
