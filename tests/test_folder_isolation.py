@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adapter_factory import replace_tensors
+from adapter_factory import good, replace_tensors
 from conftest import collect, start_daemon, sub_home
 from loractl import Client
 from loractl.errors import LoractlError
@@ -32,7 +32,8 @@ def isolated(home):
     pauses.mkdir(exist_ok=True)
     fault = root / "activate-fault"
     d = start_daemon(root, name="iso", env={"LORACTL_TEST_PAUSE_DIR": str(pauses),
-                                            "LORACTL_TEST_ACTIVATE_FAULT": str(fault)})
+                                            "LORACTL_TEST_ACTIVATE_FAULT": str(fault),
+                                            "LORACTL_TEST_POISON": str(root / "poison")})
     yield d, root, pauses, fault
     d.stop()
 
@@ -106,7 +107,7 @@ def test_a_failed_copy_into_a_device_slot_fails_that_request_only(isolated, demo
     is refused in one line before any token, the engine keeps serving, and the content is
     marked failed."""
     d, _, _, fault = isolated
-    folder = _copy(demo / "adapters" / ADAPTERS[1], tmp_path / "activate")
+    folder = good(demo, tmp_path / "activate", name="activate-fault/v1")  # content of its own: marked failed after
     records = [{"name": n, "sha256": hashlib.sha256((folder / n).read_bytes()).hexdigest()}
                for n in (CONFIG_FILE, WEIGHTS_FILE)]
     engine_id = int(files_digest(records)[:8], 16) & ((1 << 31) - 1) or 1
@@ -146,3 +147,44 @@ def test_an_adapter_with_a_nan_weight_never_reaches_the_engine(isolated, demo, r
     assert _ask(d.socket, str(demo / "adapters" / ADAPTERS[1])) == reference.greedy(
         reference.chat_ids("hi"), demo / "adapters" / ADAPTERS[1], 8, 8)
     shutil.rmtree(placed.parent)
+
+
+def _ask_ids(sock, prompt_ids: list[int], lora: str | None, n: int = 12) -> list[int]:
+    async def go():
+        async with Client(sock) as client:
+            ids = []
+            async for chunk in client.generate(reference_text(prompt_ids), lora=lora, max_tokens=n, min_tokens=n,
+                                               temperature=0.0):
+                ids += chunk.token_ids
+            return ids
+    return asyncio.run(go())
+
+
+def reference_text(ids):  # set by the test: prompts are sent as text, checked as ids
+    return _TEXTS[tuple(ids)]
+
+
+_TEXTS: dict = {}
+
+
+def test_an_adapter_that_turns_nan_in_the_engine_changes_no_other_answer(isolated, demo, reference, tmp_path):
+    """The last line behind the refusals: an adapter whose values go non-finite inside the engine
+    (injected: its lora_B weights set to NaN as it loads) answers garbage itself, but every
+    base-model and adapter answer after it equals HF + PEFT. Before the engine scrubbed fresh KV
+    blocks, a later request of another client was turned to token 0 by the NaN values its
+    freed blocks kept (issue 37, finding 2)."""
+    d, root, _, _ = isolated
+    folder = good(demo, tmp_path / "poisoned", name="poisoned/v1")   # new content: loaded (and poisoned) now
+    records = [{"name": n, "sha256": hashlib.sha256((folder / n).read_bytes()).hexdigest()}
+               for n in (CONFIG_FILE, WEIGHTS_FILE)]
+    (root / "poison").write_text(files_digest(records)[:16])   # its private copy's folder name
+    texts = [f"Tell me about item number {i} " + "and more " * i for i in range(10)]
+    prompts = [reference.tokenizer(t)["input_ids"] for t in texts]
+    _TEXTS.update({tuple(p): t for p, t in zip(prompts, texts)})
+    poisoned = _ask_ids(d.socket, prompts[0], str(folder), n=24)
+    assert not (root / "poison").exists(), "the poison was not reached"
+    assert set(poisoned) == {0}, poisoned   # NaN logits: what the engine makes of them
+    wrong = [i for i, p in enumerate(prompts) if _ask_ids(d.socket, p, None) != reference.greedy(p, None, 12, 12)]
+    assert wrong == [], f"base-model answers changed after the NaN adapter: prompts {wrong}"
+    other = demo / "adapters" / ADAPTERS[0]
+    assert _ask_ids(d.socket, prompts[1], str(other)) == reference.greedy(prompts[1], other, 12, 12)

@@ -36,6 +36,8 @@ import os
 import time
 from typing import Any
 
+from loractld.worker import kv_scrub
+
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
 # The file the worker appends a JSON line {"id", "error"} to for each adapter it failed to load
 # in a step (see _guarded_load); the engine's client reads it (loractld.engine.client).
@@ -47,6 +49,9 @@ LOAD_FAULT = "LORACTL_TEST_LOAD_FAULT"
 # Test-only, likewise for the copy into a device slot: while the file this names holds an
 # adapter's engine id, activating it fails once (set_lora's size mismatch stands for it).
 ACTIVATE_FAULT = "LORACTL_TEST_ACTIVATE_FAULT"
+# Test-only: while the file this names holds a text found in an adapter's path, the adapter is
+# loaded with every lora_B weight NaN (once), as one whose values slipped past every check would.
+POISON = "LORACTL_TEST_POISON"
 # Benchmark-only: record each step's start (loractl_step_times), to show what waits on what.
 STEP_TIMES = "LORACTL_STEP_TIMES"
 STEP_TIMES_LIMIT = 65536
@@ -342,7 +347,7 @@ def _guarded_load(load):
     def wrapper(self, lora_request):
         try:
             _injected_fault(lora_request)
-            return load(self, lora_request)
+            return _poisoned(lora_request, load(self, lora_request))
         except Exception as e:
             _journal_broken(lora_request.lora_int_id, e)
             mgr = self._adapter_manager
@@ -379,6 +384,25 @@ def _guarded_activate(activate):
 
     wrapper._loractl_guarded = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _poisoned(lora_request, lora):
+    armed = os.environ.get(POISON)
+    if not armed:
+        return lora
+    try:
+        with open(armed) as f:
+            needle = f.read().strip()
+        if not needle or needle not in str(lora_request.lora_path):
+            return lora
+        os.unlink(armed)
+    except FileNotFoundError:
+        return lora
+    for layer in getattr(lora, "loras", {}).values():
+        for b in layer.lora_b if isinstance(layer.lora_b, (list, tuple)) else [layer.lora_b]:
+            if b is not None:
+                b.fill_(float("nan"))
+    return lora
 
 
 def _injected_activate_fault(lora_id: int) -> None:
@@ -448,8 +472,9 @@ def install() -> None:
 
     if not getattr(LoRAModelManager.activate_adapter, "_loractl_guarded", False):
         LoRAModelManager.activate_adapter = _guarded_activate(LoRAModelManager.activate_adapter)
-    if os.environ.get(STEP_TIMES) == "1":
-        from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.gpu_worker import Worker
 
-        if not getattr(Worker.execute_model, "_loractl_timed", False):
-            Worker.execute_model = _timed_steps(Worker.execute_model)
+    if not getattr(Worker.execute_model, "_loractl_scrubbed", False):
+        Worker.execute_model = kv_scrub.scrubbed_steps(Worker.execute_model)
+    if os.environ.get(STEP_TIMES) == "1" and not getattr(Worker.execute_model, "_loractl_timed", False):
+        Worker.execute_model = _timed_steps(Worker.execute_model)
