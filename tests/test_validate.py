@@ -236,14 +236,58 @@ def test_a_weight_that_is_not_finite_is_refused(demo, tmp_path, dtype_name, valu
     assert "lora_B.weight" in refused.value.message and "retrain" in refused.value.hint
 
 
-def test_finite_extremes_in_every_float_dtype_pass(demo, tmp_path):
+def test_weights_beyond_half_precision_are_refused_and_large_finite_ones_pass(demo, tmp_path):
+    """Finite in the file, overflowing in the engine: float32's largest (3.4e38), as a reviewer
+    found served and changing other clients' answers; 60000 (float16 holds it) passes."""
     import torch
 
     from adapter_factory import replace_tensors
 
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        folder = replace_tensors(good(demo, tmp_path / str(dtype)), _poison(dtype, torch.finfo(dtype).max))
+        folder = replace_tensors(good(demo, tmp_path / f"ok-{dtype}"), _poison(dtype, 60000.0))
         assert check(folder, demo).rank == 8
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        folder = replace_tensors(good(demo, tmp_path / f"big-{dtype}"), _poison(dtype, torch.finfo(dtype).max))
+        with pytest.raises(InvalidAdapter, match="beyond what half precision holds"):
+            check(folder, demo)
+
+
+def test_integer_weights_and_huge_integer_alphas_are_refused_in_one_line(demo, tmp_path):
+    import torch
+
+    from adapter_factory import edit_config, replace_tensors
+
+    def to_int8(tensors):
+        for k in tensors:
+            tensors[k] = tensors[k].to(torch.int8)
+
+    with pytest.raises(InvalidAdapter, match="is I8: LoRA weights are floating point"):
+        check(replace_tensors(good(demo, tmp_path / "i8"), to_int8), demo)
+    folder = good(demo, tmp_path / "bigint")
+    (folder / "adapter_config.json").write_text(
+        (folder / "adapter_config.json").read_text().replace('"lora_alpha": 16', '"lora_alpha": 1' + "0" * 400))
+    with pytest.raises(InvalidAdapter, match="not a finite number"):
+        check(folder, demo)
+    with pytest.raises(InvalidAdapter, match="not a finite number"):
+        check(edit_config(good(demo, tmp_path / "bigpat"), alpha_pattern={"q_proj": 10 ** 400}), demo)
+
+
+def test_a_header_over_the_cap_is_refused_without_echoing_the_files_first_bytes(tmp_path):
+    """The header length is the file's first 8 bytes: a refusal naming it leaked them (a symlink
+    to a root-only file, through a daemon that reads it)."""
+    import struct as _struct
+
+    from loractld.store.validate import MAX_HEADER_BYTES, read_safetensors_header
+
+    secret = tmp_path / "secret.safetensors"
+    secret.write_bytes(b"root:*:2" + b"x" * 100)
+    with pytest.raises(InvalidAdapter) as refused:
+        read_safetensors_header(secret)
+    assert str(_struct.unpack("<Q", b"root:*:2")[0]) not in refused.value.message
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(_struct.pack("<Q", MAX_HEADER_BYTES + 1) + b" " * (MAX_HEADER_BYTES + 1))
+    with pytest.raises(InvalidAdapter, match="over the 8 MiB"):
+        read_safetensors_header(huge)
 
 
 @pytest.mark.parametrize("changes, fragment", [

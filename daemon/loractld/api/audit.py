@@ -56,8 +56,12 @@ async def audited(principal: str, operation: str, target: str):
 
 def loggable(text: str, limit: int = 200) -> str:
     """Caller-supplied text for one log line: control characters escaped (a newline in a name
-    must not forge an audit line), and clipped (one request must not write 100 kB of log)."""
-    if text.isprintable() and len(text) <= limit:
+    must not forge an audit line), clipped (one request must not write 100 kB of log), and
+    quoted when it holds ``=`` or ``"`` (a path like ``/x result=ok`` must not add a field)."""
+    forging = "=" in text or '"' in text
+    if text.isprintable() and len(text) <= limit and not forging:
         return text
     escaped = text[:limit].encode("unicode_escape").decode("ascii")
+    if forging:
+        escaped = '"' + escaped.replace('"', '\\"') + '"'
     return escaped if len(text) <= limit else f"{escaped}...({len(text)} characters)"

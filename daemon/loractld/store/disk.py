@@ -48,6 +48,7 @@ from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
+SNAPSHOT_LIMIT = 32   # private copies of adapters used in place (Store.snapshot)
 SEED_METADATA_FILE = "metadata.json"
 _log = logging.getLogger("loractld.store")
 
@@ -294,7 +295,21 @@ class Store:
                         os.chmod(f, 0o444)
                     os.rename(staged, dest)
                     staged.mkdir()  # staging removes its folder on the way out
+                self._prune_snapshots(keep=dest)
         return dest, content
+
+    def _prune_snapshots(self, keep: Path) -> None:
+        """At most ``SNAPSHOT_LIMIT`` private copies: the oldest that no lease holds go first (a
+        user who keeps changing a folder would otherwise grow the store without bound). One
+        removed and asked for again is copied again. Under the store's lock."""
+        copies = sorted(self.snapshots.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+        held = self.leases.kept()
+        for old in copies[:max(0, len(copies) - SNAPSHOT_LIMIT)]:
+            if old == keep or str(old) in held:
+                continue
+            for f in old.iterdir():
+                os.chmod(f, 0o600)
+            shutil.rmtree(old, ignore_errors=True)
 
     def check_free_space(self, needed: int, reserve: int = 64 << 20) -> None:
         free = shutil.disk_usage(self.root).free

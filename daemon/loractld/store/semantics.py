@@ -30,6 +30,11 @@ MAX_SCALING = 65504.0
 _VALUE_CHUNK = 16 << 20  # bytes of tensor data looked at per step (bounds the temporary arrays)
 # The bits that make a value not finite, per safetensors dtype: (unsigned view, the mask all of whose bits
 # are set in an inf or NaN, and only then).
+# The largest weight accepted, float16's largest value: LoRA weights are small (well under 1 in
+# a trained adapter); one that float16 cannot hold overflows an engine in half precision, and
+# F64 weights beyond float32's range (1e300) become inf in a float32 engine.
+MAX_WEIGHT = 65504.0
+_FLOAT_VIEWS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}   # BF16 is read through float32
 _NONFINITE_BITS = {
     "F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
     "BF16": ("<u2", 0x7F80), "F8_E5M2": ("u1", 0x7C), "F8_E4M3": ("u1", 0x7F),   # E4M3: S.1111.111 is NaN
@@ -109,6 +114,15 @@ class Targets:
                     "apply it, vLLM would", "Fix the config's target_modules, or save the adapter again with PEFT.")
 
 
+def _largest(numpy, bits, dtype: str) -> float:
+    """The largest magnitude in a chunk of raw bits (finite values only; F8 cannot exceed MAX_WEIGHT)."""
+    if dtype == "BF16":
+        return float(numpy.abs((bits.astype(numpy.uint32) << 16).view(numpy.float32)).max())
+    if dtype in _FLOAT_VIEWS:
+        return float(numpy.abs(bits.view(_FLOAT_VIEWS[dtype])).max())
+    return 0.0
+
+
 def check_scalings(config: dict, ranks: _Ranks) -> None:
     """Refuse a ``lora_alpha`` (or ``alpha_pattern`` value) that is not a finite number, and a
     scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) beyond what float16 holds."""
@@ -119,8 +133,9 @@ def check_scalings(config: dict, ranks: _Ranks) -> None:
     alphas.update({f"alpha_pattern[{k!r}]": v for k, v in pattern.items()})
     rsl = bool(config.get("use_rslora"))
     for where, alpha in alphas.items():
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise InvalidAdapter(f"{CONFIG_FILE}: {where} is {alpha!r}, not a finite number",
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
+            shown = repr(alpha) if len(repr(alpha)) <= 40 else f"{repr(alpha)[:20]}... ({len(repr(alpha))} characters)"
+            raise InvalidAdapter(f"{CONFIG_FILE}: {where} is {shown}, not a finite number",
                                  "Fix the adapter's config (lora_alpha is usually r or 2r).")
         for rank in {ranks.r, *ranks.pattern.values()}:
             scaling = abs(alpha) / (math.sqrt(rank) if rsl else rank)
@@ -129,6 +144,13 @@ def check_scalings(config: dict, ranks: _Ranks) -> None:
                     f"{CONFIG_FILE}: {where} = {alpha:g} at rank {rank} scales the adapter's output by {scaling:.3g}, "
                     f"beyond what half precision holds ({MAX_SCALING:g}): its outputs would overflow to inf/NaN",
                     "Fix the adapter's config (lora_alpha is usually r or 2r).")
+
+
+def _finite(number: int | float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an integer too large for a float (10**400 is valid JSON)
+        return False
 
 
 def check_values(weights: Path) -> None:
@@ -149,18 +171,27 @@ def check_values(weights: Path) -> None:
             header = json.loads(data[8:base])
             for name, info in tensors.items():
                 if info.dtype not in _NONFINITE_BITS:
-                    continue
+                    raise InvalidAdapter(f"tensor {name!r} is {info.dtype}: LoRA weights are floating point",
+                                         "Save the adapter's weights in float32, bfloat16 or float16.")
                 view, mask = _NONFINITE_BITS[info.dtype]
                 start, end = (base + o for o in header[name]["data_offsets"])
                 width = numpy.dtype(view).itemsize
-                bad = 0
+                bad, largest = 0, 0.0
                 for at in range(start, end, _VALUE_CHUNK):
                     chunk = numpy.frombuffer(data, dtype=view, count=(min(end, at + _VALUE_CHUNK) - at) // width,
                                              offset=at)
                     bad += int(numpy.count_nonzero((chunk & mask) == mask))
+                    if not bad and chunk.size:
+                        largest = max(largest, _largest(numpy, chunk, info.dtype))
                     del chunk  # the mmap cannot close while a view of it lives
                 if bad:
                     raise InvalidAdapter(
                         f"tensor {name!r} holds {bad} value(s) that are not finite (NaN or inf)",
                         "The training run diverged (a float16 overflow, often): retrain, or use an earlier "
                         "checkpoint. Served, such an adapter was seen to change other requests' answers.")
+                if largest > MAX_WEIGHT:
+                    raise InvalidAdapter(
+                        f"tensor {name!r} holds a weight of magnitude {largest:.3g}, beyond what half precision "
+                        f"holds ({MAX_WEIGHT:g}): its outputs would overflow to inf/NaN",
+                        "The adapter's weights are far outside a trained LoRA's range: retrain, or use an earlier "
+                        "checkpoint.")

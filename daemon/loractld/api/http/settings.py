@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser, parse_size, positive_int, pos
                         help="refuse a request for more than N generations (prompts x n) with 400 "
                              f"(default: {DEFAULT_MAX_CHOICES})")
     parser.add_argument("--http-max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                        help="answer HTTP connections past N open ones with 503 and close them "
+                        help="keep at most N HTTP connections open: one more closes the one waiting longest "
+                             "for a request head, or gets 503 when all N are running requests "
                              f"(default: {DEFAULT_MAX_CONNECTIONS})")
     parser.add_argument("--http-header-timeout", type=positive_seconds, default=DEFAULT_HEADER_TIMEOUT_S,
                         metavar="SECONDS", help="close a connection whose request head (line and headers) is not "
