@@ -276,14 +276,12 @@ class Core(DiskOps):
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
         lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
-        if lora and os.path.isabs(lora) and request.allow_folders:
-            # A folder is read with the daemon's rights and takes an engine slot: a state change.
-            async with policy.authorized(request.caller, self.socket_gid, "generate-folder", lora,
-                                         refusal="generate from an adapter folder on this daemon",
-                                         hint="Name a stored adapter (loractl ls), or ask its owner to pull the "
-                                              "folder."):
-                adapter = await self._resolve_adapter(catalog, lora, request.allow_folders)
-        else:
+        # A folder is read with the daemon's rights and takes an engine slot: a state change.
+        folder_use = policy.authorized(request.caller, self.socket_gid, "generate-folder", lora,
+                                       refusal="generate from an adapter folder on this daemon",
+                                       hint="Name a stored adapter (loractl ls), or ask its owner to pull the folder.") \
+            if lora and os.path.isabs(lora) and request.allow_folders else contextlib.nullcontext()
+        async with folder_use:
             adapter = await self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
         name = lora if adapter is not None and not os.path.isabs(lora) else None
         # Taken with no await since the resolve: from here on no rm or pull deletes the folder.

@@ -80,7 +80,7 @@ class DiskOps:
     async def remove(self, name: str, *, force: bool = False) -> RemovedView:
         catalog = await self._wait_catalog()
         catalog.store.get(name)  # AdapterNotFound before anything else
-        # New content is hashed and validated off the loop; from here to the claim, no await.
+        # New content is hashed and validated off the loop (the checks below then ask its caches).
         await asyncio.to_thread(catalog.resolver.warm, [name])
         if self._serving[name] > 0:
             raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",

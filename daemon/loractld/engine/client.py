@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib.util
 import logging
 import os
 import tempfile
@@ -118,8 +119,6 @@ def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
         os.environ[cpu_fixes.ENV_FLAG] = "1"
     else:
         os.environ.pop(cpu_fixes.ENV_FLAG, None)
-    import importlib.util
-
     for name, value in compat.flashinfer_sampler_env(device, importlib.util.find_spec("flashinfer") is not None).items():
         os.environ.setdefault(name, value)
 
@@ -173,7 +172,6 @@ class Engine:
         self._llm = llm
         self.settings = settings
         self.device = device
-        self.dtype = dtype
         self.start_seconds = start_seconds
         self._tokenizer = llm.get_tokenizer()
         self._encode_text = tokens.encoder(self._tokenizer)
@@ -192,7 +190,7 @@ class Engine:
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         # On CUDA the start asks for dtype "auto" and no KV size: vLLM's choices are the facts.
         self.dtype = settled_dtype(config) or dtype
-        self.kv_cache_bytes = settings.kv_cache_bytes or kv_cache_bytes(config)
+        self.kv_cache_bytes = kv_cache_bytes(config)   # what was asked, where it was (Engine.start)
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:

@@ -387,36 +387,17 @@ def _guarded_activate(activate):
 
 
 def _poisoned(lora_request, lora):
-    armed = os.environ.get(POISON)
-    if not armed:
-        return lora
-    try:
-        with open(armed) as f:
-            needle = f.read().strip()
-        if not needle or needle not in str(lora_request.lora_path):
-            return lora
-        os.unlink(armed)
-    except FileNotFoundError:
-        return lora
-    for layer in getattr(lora, "loras", {}).values():
-        for b in layer.lora_b if isinstance(layer.lora_b, (list, tuple)) else [layer.lora_b]:
-            if b is not None:
-                b.fill_(float("nan"))
+    if _fires(POISON, lambda needle: needle in str(lora_request.lora_path)):
+        for layer in getattr(lora, "loras", {}).values():
+            for b in layer.lora_b if isinstance(layer.lora_b, (list, tuple)) else [layer.lora_b]:
+                if b is not None:
+                    b.fill_(float("nan"))
     return lora
 
 
 def _injected_activate_fault(lora_id: int) -> None:
-    armed = os.environ.get(ACTIVATE_FAULT)
-    if not armed:
-        return
-    try:
-        with open(armed) as f:
-            if f.read().strip() != str(lora_id):
-                return
-        os.unlink(armed)
-    except FileNotFoundError:
-        return
-    raise RuntimeError(f"injected activation fault ({ACTIVATE_FAULT})")
+    if _fires(ACTIVATE_FAULT, lambda text: text == str(lora_id)):
+        raise RuntimeError(f"injected activation fault ({ACTIVATE_FAULT})")
 
 
 def _one_line(error: Exception) -> str:
@@ -435,18 +416,25 @@ def _journal_broken(lora_id: int, error: Exception) -> None:
 
 
 def _injected_fault(lora_request) -> None:
-    armed = os.environ.get(LOAD_FAULT)
+    if _fires(LOAD_FAULT, lambda needle: needle in str(lora_request.lora_path)):
+        raise RuntimeError(f"injected load fault ({LOAD_FAULT})")
+
+
+def _fires(variable: str, matches) -> bool:
+    """A test hook's trigger: True once (the arming file is removed) when the file the environment
+    variable names holds a text that ``matches`` accepts; False whenever it is not armed."""
+    armed = os.environ.get(variable)
     if not armed:
-        return
+        return False
     try:
         with open(armed) as f:
-            needle = f.read().strip()
-        if not needle or needle not in str(lora_request.lora_path):
-            return
+            text = f.read().strip()
+        if not text or not matches(text):
+            return False
         os.unlink(armed)
     except FileNotFoundError:
-        return
-    raise RuntimeError(f"injected load fault ({LOAD_FAULT})")
+        return False
+    return True
 
 
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
