@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
@@ -30,6 +30,7 @@ from loractld import killpoints
 from loractld.engine import compat, tokens
 from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
+from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling  # noqa: F401 - the core takes them from here
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
@@ -75,33 +76,6 @@ class EngineSettings:
 # answer is back within a step or two, a large one's costs a few dozen utility calls.
 PREFLIGHT_FIRST_POLL_S = 0.001
 PREFLIGHT_MAX_POLL_S = 0.02
-
-DEFAULT_MAX_TOKENS = 512  # when a request sets none: this many, fewer where the context ends first
-
-
-@dataclass
-class Sampling:
-    max_tokens: int | None = None   # None: default_max_tokens, capped by what the context has left
-    # The limit an unset max_tokens means: None is the rest of the context (the OpenAI API's
-    # meaning); the CLI's requests (gRPC) use DEFAULT_MAX_TOKENS.
-    default_max_tokens: int | None = None
-    min_tokens: int = 0
-    temperature: float = 0.8
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Delta:
-    """One step of a streamed completion."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | None = None
-
 
 def _prepare_environment(device: str, apply_cpu_fixes: bool) -> None:
     for name in _PRIVATE_ENV:
