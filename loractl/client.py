@@ -13,6 +13,7 @@ domain errors arrive as the class it raised.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -37,6 +38,17 @@ _log = logging.getLogger("loractl.client")
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability and text, and the most likely tokens at its place
+    as (token id, logprob, text), most likely first."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+    top: list[tuple[int, float, str]] = field(default_factory=list)
+
+
+@dataclass
 class Chunk:
     """One streamed piece of a completion (deltas; the last one has ``finish_reason``)."""
 
@@ -47,6 +59,7 @@ class Chunk:
     adapter: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids, when asked
 
 
 def to_dict(message: Any) -> dict[str, Any]:
@@ -260,22 +273,55 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         stop: list[str] | None = None,
+        min_p: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
+        logit_bias: dict[int, float] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
+        json_schema: str | dict[str, Any] | None = None,
+        json_object: bool = False,
+        regex: str | None = None,
+        choice: list[str] | None = None,
+        grammar: str | None = None,
     ) -> AsyncIterator[Chunk]:
         """Stream a completion of ``prompt`` (sent as is) or ``messages`` (chat template).
 
         ``lora`` is an adapter: an existing local PEFT folder (made absolute here) or a name
         the daemon resolves. Closing the
         iterator early cancels the request in the daemon.
+
+        The sampling options are vLLM's, with its names and ranges. ``logprobs=N`` gives each
+        chunk its tokens' log-probabilities with the N most likely alternatives (``Chunk.logprobs``).
+        At most one of ``json_schema`` (a dict or JSON text), ``json_object``, ``regex``,
+        ``choice`` and ``grammar`` constrains the output; the daemon refuses a value the engine
+        cannot honour (two constraints, a regex that does not compile) by name.
         """
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         if lora and not os.path.isabs(lora) and os.path.isdir(lora):
             lora = str(Path(lora).absolute())  # a local folder; anything else is a name
-        sampling = pb.SamplingParams(stop=stop or [])
+        sampling = pb.SamplingParams(stop=stop or [], logit_bias=logit_bias or {}, stop_token_ids=stop_token_ids or [],
+                                     ignore_eos=ignore_eos)
         for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("temperature", temperature),
-                            ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+                            ("top_p", top_p), ("top_k", top_k), ("seed", seed), ("min_p", min_p),
+                            ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                            ("repetition_penalty", repetition_penalty), ("logprobs", logprobs)):
             if value is not None:
                 setattr(sampling, name, value)
+        if isinstance(json_schema, dict):
+            json_schema = json.dumps(json_schema)
+        for name, value in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)):
+            if value is not None:
+                setattr(sampling.structured, name, value)
+        if json_object:
+            sampling.structured.json_object = True
+        if choice is not None:
+            if not choice:  # an empty list on the wire is no constraint at all
+                raise InvalidRequest("choice is empty", "Give at least one string to choose from.")
+            sampling.structured.choice.extend(choice)
         request = pb.GenerateRequest(
             prompt=prompt or "",
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or []],
@@ -293,6 +339,9 @@ class Client:
                         adapter=reply.adapter,
                         prompt_tokens=reply.usage.prompt_tokens,
                         completion_tokens=reply.usage.completion_tokens,
+                        logprobs=[TokenLogprob(t.token_id, t.logprob, t.text,
+                                               [(a.token_id, a.logprob, a.text) for a in t.top])
+                                  for t in reply.logprobs],
                     )
 
     async def _replies(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateReply]:

@@ -18,6 +18,7 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLIC
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings
 from loractld.api import dynamo as dynamo_settings
+from loractld.engine import openai_serving
 from loractld.engine.client import EngineSettings
 from loractld.engine.device import keep_cuda_uninitialized
 from loractld.lifecycle import DaemonSettings, serve
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reading them (default: 4MiB)")
     http_settings.add_arguments(p, parse_size, positive_int, positive_seconds)
     dynamo_settings.add_arguments(p)
+    openai_serving.add_arguments(p)
     p.add_argument("--auto-pull", action="store_true",
                    help="a request naming a Hub reference (org/repo) that is not in the store pulls it first; "
                         "over HTTP only with --api-key-file (default: off)")
@@ -146,6 +148,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
         chat_template=_read_template(args.chat_template) if args.chat_template else None,
+        openai=openai_serving.options_from(args),
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),

@@ -31,7 +31,7 @@ from loractld.api.audit import audited
 from loractld.api.multiplexed import Multiplexed
 from loractld.api.peers import may_change_state
 from loractld.core import GenerationRequest
-from loractld.core import DEFAULT_MAX_TOKENS, Sampling
+from loractld.core import DEFAULT_MAX_TOKENS, Sampling, Structured, TokenLogprob
 from loractld.core.policy import Caller
 from loractld.views import AdapterView
 
@@ -205,6 +205,8 @@ class LoractlService(LoractlBase):
                     reply.finish_reason = delta.finish_reason
                     reply.usage.prompt_tokens = len(prepared.prompt_ids)
                     reply.usage.completion_tokens = produced
+                if delta.logprobs:
+                    reply.logprobs.extend(_logprob_messages(delta.logprobs))
                 yield reply
 
     @domain_errors
@@ -278,8 +280,24 @@ def adapter_message(view: AdapterView) -> pb.Adapter:
 def _sampling_from(params: pb.SamplingParams) -> Sampling:
     """Proto sampling params over the defaults; unset optional fields keep the default."""
     sampling = Sampling(default_max_tokens=DEFAULT_MAX_TOKENS)  # run/chat: 512 unless the context ends first
-    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logprobs"):
         if params.HasField(name):
             setattr(sampling, name, getattr(params, name))
     sampling.stop = list(params.stop)
+    sampling.logit_bias = dict(params.logit_bias)
+    sampling.stop_token_ids = list(params.stop_token_ids)
+    sampling.ignore_eos = params.ignore_eos
+    if params.HasField("structured"):
+        given = params.structured
+        sampling.structured = Structured(
+            json_schema=given.json_schema if given.HasField("json_schema") else None, json_object=given.json_object,
+            regex=given.regex if given.HasField("regex") else None, choice=list(given.choice) or None,
+            grammar=given.grammar if given.HasField("grammar") else None)
     return sampling
+
+
+def _logprob_messages(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text,
+                            top=[pb.Logprob(token_id=i, logprob=p, text=text) for i, p, text in t.top])
+            for t in logprobs]

@@ -43,7 +43,8 @@ from loractld import testhooks
 from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
 from loractld.serving.finishing import Finishing
 from loractld.serving.signals import scheduler_series
-from loractld.engine.client import DEFAULT_MAX_TOKENS, Delta, Sampling  # the front ends take these from here
+# The front ends take these from here.
+from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling, Structured, TokenLogprob
 from loractld.events import Event, EventBus, Metrics
 from loractld.store.preflight import Preflight
 from loractld.store import ondemand
@@ -57,9 +58,11 @@ from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConf
 
 if TYPE_CHECKING:
     from loractld.store.identity import AdapterRef, AdapterResolver
+    from loractld.store.leases import Lease
     from loractld.models.basemodel import BaseModel
     from loractld.models.naming import ModelName
     from loractld.engine.client import Engine
+    from loractld.engine.openai_serving import OpenAISurface
     from loractld.store.pulls import Puller
     from loractld.store.disk import Store, StoredAdapter
     from loractld.serving.residency import EngineState
@@ -110,6 +113,7 @@ class Core(DiskOps):
         self._inflight: set[asyncio.Task] = set()
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
         self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
+        self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -262,35 +266,69 @@ class Core(DiskOps):
             names |= self.catalog.base_model.names | {self.catalog.base_model.model}
         return names
 
+    async def openai_surface(self) -> OpenAISurface:
+        """vLLM's OpenAI serving classes over this daemon's engine (built once per engine): the
+        HTTP door's generation routes. Their engine requests pass :meth:`engine_request`."""
+        engine, _ = await self._wait_engine()
+        if self._openai is None or self._openai[0] is not engine:
+            from loractld.engine.openai_serving import OpenAISurface
+
+            surface = OpenAISurface(engine, engine.settings.openai, self.engine_request, self._generated,
+                                    [self.model_label])
+            self._openai = (engine, surface)
+        return self._openai[1]
+
+    def _generated(self, label: tuple, tokens: int) -> None:
+        self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
+
     async def sampling_defaults(self) -> dict:
         """The model's own defaults for sampling parameters a request leaves out."""
         engine, _ = await self._wait_engine()
         return engine.generation_defaults()
 
+    async def resolve_model(self, lora: str, caller: policy.Caller | None, allow_folders: bool = False, *,
+                            ondemand_request: GenerationRequest | None = None
+                            ) -> tuple[AdapterRef | None, str | None, Lease | None]:
+        """The adapter ``lora`` names ("" is the base model) as (adapter, store name, lease):
+        pulled first when missing and allowed (``--auto-pull``), a folder only for a caller the
+        policy lets name one, and accepted by the engine's own loader (the preflight). The lease
+        holds the adapter's folder until released: the caller releases it when its request ends."""
+        catalog = await self._wait_catalog()
+        request = ondemand_request or GenerationRequest(prompt=" ", lora=lora, allow_folders=allow_folders,
+                                                        caller=caller)
+        lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
+        if not lora:
+            return None, None, None
+        # A folder is read with the daemon's rights and takes an engine slot: a state change.
+        folder_use = policy.authorized(caller, self.socket_gid, "generate-folder", lora,
+                                       refusal="generate from an adapter folder on this daemon",
+                                       hint="Name a stored adapter (loractl ls), or ask its owner to pull the folder.") \
+            if os.path.isabs(lora) and allow_folders else contextlib.nullcontext()
+        async with folder_use:
+            adapter = await self._resolve_adapter(catalog, lora, allow_folders)
+        name = lora if not os.path.isabs(lora) else None
+        # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
+        lease = catalog.store.lease(adapter.path)
+        try:
+            await testhooks.pause("resolved")
+            # The engine's own loader has the last word, once per content.
+            await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
+            await testhooks.pause("preflighted")
+        except BaseException:
+            lease.release()
+            raise
+        return adapter, name, lease
+
     async def prepare(self, request: GenerationRequest) -> Prepared:
         """Everything that can refuse a request before the engine sees it: the adapter, the
         messages, the prompt's tokens against the context, the sampling parameters."""
         engine, _ = await self._wait_engine()
-        catalog = await self._wait_catalog()
         given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
-        lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
-        # A folder is read with the daemon's rights and takes an engine slot: a state change.
-        folder_use = policy.authorized(request.caller, self.socket_gid, "generate-folder", lora,
-                                       refusal="generate from an adapter folder on this daemon",
-                                       hint="Name a stored adapter (loractl ls), or ask its owner to pull the folder.") \
-            if lora and os.path.isabs(lora) and request.allow_folders else contextlib.nullcontext()
-        async with folder_use:
-            adapter = await self._resolve_adapter(catalog, lora, request.allow_folders) if lora else None
-        name = lora if adapter is not None and not os.path.isabs(lora) else None
-        # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
-        lease = catalog.store.lease(adapter.path) if adapter is not None else None
+        adapter, name, lease = await self.resolve_model(request.lora, request.caller, request.allow_folders,
+                                                        ondemand_request=request)
         try:
-            await testhooks.pause("resolved")
-            if adapter is not None:  # the engine's own loader has the last word, once per content
-                await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
-                await testhooks.pause("preflighted")
             if request.messages is not None:
                 if not request.messages:
                     raise InvalidRequest("no messages", "Send at least one message.")
@@ -311,12 +349,34 @@ class Core(DiskOps):
 
     async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
         """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine."""
-        catalog, tiers, adapter, name = self.catalog, self.tiers, prepared.adapter, prepared.name
-        assert catalog is not None and tiers is not None
-        if self.draining:
-            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        adapter, name = prepared.adapter, prepared.name
         # This run's own lease: the prepared one is shared by every copy of ``prepared``.
         lease = prepared.lease.share() if prepared.lease is not None else None
+        try:
+            async with self.engine_request(adapter, name) as label:
+                async with contextlib.aclosing(prepared.engine.generate(
+                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
+                    async for delta in deltas:
+                        self._generated(label, len(delta.token_ids))
+                        yield delta
+        finally:
+            if lease is not None:
+                # Both: the prepared lease too, now rather than when the last copy of ``prepared``
+                # is dropped (an exception's traceback can hold it for long). A copy that runs
+                # later takes its own (``share``), or hears that the adapter went.
+                lease.release()
+                prepared.lease.release()
+
+    @contextlib.asynccontextmanager
+    async def engine_request(self, adapter: AdapterRef | None, name: str | None):
+        """The body runs as one engine request for ``adapter`` (None: the base model): drained on
+        shutdown, counted as serving ``name``, and behind the admission gate, which it leaves
+        however it ends. Yields the metrics label of the adapter (``loractl top``'s tokens/s).
+        The caller holds the adapter's lease for at least as long."""
+        tiers = self.tiers
+        assert tiers is not None and self.catalog is not None
+        if self.draining:
+            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
         tiers.note_request(name or (adapter.label if adapter else ""))
         if name:
             self._serving[name] += 1
@@ -328,23 +388,12 @@ class Core(DiskOps):
             with self._tracked("the daemon is shutting down; the generation was stopped"):
                 ticket = await gate.enter(adapter.engine_id if adapter else None,
                                           name or (adapter.label if adapter else ""))
-                label = (("adapter", ticket.label),)  # for loractl top's tokens/s per adapter
-                async with contextlib.aclosing(prepared.engine.generate(
-                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
-                    async for delta in deltas:
-                        self.metrics.inc("loractl_adapter_generated_tokens_total", label, len(delta.token_ids))
-                        yield delta
+                yield (("adapter", ticket.label),)
         finally:
             if ticket is not None:
                 gate.finish(ticket)
             if name:
                 self._serving[name] -= 1
-            if lease is not None:
-                # Both: the prepared lease too, now rather than when the last copy of ``prepared``
-                # is dropped (an exception's traceback can hold it for long). A copy that runs
-                # later takes its own (``share``), or hears that the adapter went.
-                lease.release()
-                prepared.lease.release()
             if adapter:
                 tiers.note_activity()
 

@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
@@ -30,6 +30,8 @@ from loractld import killpoints
 from loractld.engine import compat, tokens
 from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
+from loractld.engine.openai_serving import ServeOptions
+from loractld.engine.params import client_errors, refusal, to_sampling_params, token_logprobs
 from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling  # noqa: F401 - the core takes them from here
 from loractld.worker import cpu_fixes
 from loractld.worker import plugin as vllm_plugin
@@ -70,6 +72,8 @@ class EngineSettings:
     seed: int = 0
     # Off only to reproduce the upstream CPU bugs (tests, benchmarks); see cpu_fixes.
     cpu_fixes: bool = True
+    # vLLM's OpenAI server flags (tools, reasoning, structured outputs, templates): the HTTP door's.
+    openai: ServeOptions = field(default_factory=ServeOptions)
 
 
 # A preflight's answer is polled for after 1, 2, 4, ... ms, then every 20 ms: a small adapter's
@@ -124,19 +128,6 @@ def _start_async_llm(async_llm: Any, args: Any, usage_context: Any, device: str)
                   os.environ.get("GOMP_CPU_AFFINITY") or os.environ.get("OMP_PLACES") or "any")
         return async_llm.from_vllm_config(config, usage_context=usage_context,
                                           disable_log_stats=args.disable_log_stats)
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
-
-
-def _client_errors() -> tuple[type[Exception], ...]:
-    """What vLLM raises for a request it refuses: VLLMClientError (0.32), ValueError before."""
-    try:
-        from vllm.exceptions import VLLMClientError
-    except ImportError:
-        return (ValueError,)
-    return (ValueError, VLLMClientError)
 
 
 class Engine:
@@ -206,6 +197,7 @@ class Engine:
             enable_prefix_caching=settings.enable_prefix_caching,
             enforce_eager=device == "cpu",
             seed=settings.seed,
+            **compat.structured_output_args(settings.openai.reasoning_parser, settings.openai.structured_outputs_config),
         )
         try:
             # Blocking for seconds; a thread keeps the daemon's loop (signals, Status) alive.
@@ -274,10 +266,6 @@ class Engine:
         self, prompt_token_ids: list[int], sampling: Sampling, adapter: AdapterRef | None = None
     ) -> AsyncIterator[Delta]:
         """Stream a completion. Cancelling the iteration aborts the request in the engine."""
-        # From the module itself: ``from vllm import X`` runs vLLM's lazy ``__getattr__`` and an
-        # ``import_module`` on every call, and this runs once per request.
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
         room = self.max_model_len - len(prompt_token_ids)
@@ -292,22 +280,8 @@ class Engine:
             )
         max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(
             sampling.default_max_tokens or room, room)
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                min_tokens=sampling.min_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                seed=sampling.seed,
-                stop=sampling.stop or None,
-                output_kind=RequestOutputKind.DELTA,
-            )
-        except _client_errors() as e:
-            # vLLM's own checks of the parameters (an empty stop string, ...; found by
-            # tests/test_fuzz_grpc.py): the request's fault, not an internal error.
-            raise InvalidRequest(f"invalid sampling parameters: {_first_line(e)}",
-                                 "Check max/min tokens, temperature, top-p, top-k, seed and stop.") from e
+        params = to_sampling_params(sampling, max_tokens)  # raises InvalidRequest naming the field
+        top = sampling.logprobs  # None (most requests): no logprobs to convert
         lora_request = self._lora_request(adapter) if adapter else None
         request_id = uuid.uuid4().hex
         first = True
@@ -325,23 +299,26 @@ class Engine:
                     # is journaled by now, and its stand-in's tokens never reach the client.
                     self._refuse_if_broken(adapter)
                 completion = out.outputs[0]
-                yield Delta(
+                delta = Delta(
                     text=completion.text,
                     token_ids=list(completion.token_ids),
                     finish_reason=completion.finish_reason if out.finished else None,
                     prompt_token_ids=list(out.prompt_token_ids or prompt_token_ids) if first else None,
                 )
+                if top is not None:
+                    delta.logprobs = token_logprobs(completion.logprobs, delta.token_ids, top)
+                yield delta
                 first = False
         except (InvalidRequest, InvalidAdapter, asyncio.CancelledError):
             raise
         except Exception as e:
             if self.errored:
                 raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
-            if first and isinstance(e, _client_errors()):
-                # vLLM's own checks of the request (a token id outside the vocabulary, ...),
-                # made before the first output: the request's fault, not the daemon's.
-                raise InvalidRequest(f"the engine refused the request: {_first_line(e)}",
-                                     "Check the prompt's tokens and the sampling parameters.") from e
+            if first and isinstance(e, client_errors()):
+                # vLLM's own checks of the request (a token id outside the vocabulary, a regex
+                # its grammar compiler refuses, ...), made before the first output: the
+                # request's fault, not the daemon's.
+                raise refusal(e, sampling) from e
             raise
 
     def _engine_request_ids(self, request_id: str) -> list[str]:

@@ -132,3 +132,127 @@ def uncache_vllm_environment() -> None:
     disable = getattr(envs, "disable_envs_cache", None)
     if disable is not None:
         disable()
+
+
+# -- vLLM's OpenAI serving classes (loractld.engine.openai_serving) ----------------------------
+# Their modules are the same in 0.26 and 0.32 (read in both); their constructors differ
+# (0.32 added ``tool_strict_level``; 0.10 still took ``model_config``): arguments are passed
+# only where the installed constructor takes them, and a required one we do not know fails
+# the start by name (``serving_kwargs``).
+_SERVING_CLASSES = {
+    "chat": ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "create_chat_completion",
+             "vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    "completion": ("vllm.entrypoints.openai.completion.serving", "OpenAIServingCompletion", "create_completion",
+                   "vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    "responses": ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses", "create_responses",
+                  "vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
+    "messages": ("vllm.entrypoints.anthropic.serving", "AnthropicServingMessages", "create_messages",
+                 "vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
+    "tokenize": ("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization", "create_tokenize",
+                 "vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest"),
+    "detokenize": ("vllm.entrypoints.serve.tokenize.serving", "ServingTokenization", "create_detokenize",
+                   "vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest"),
+}
+
+
+def structured_output_args(reasoning_parser: str | None, config_json: str | None) -> dict:
+    """``AsyncEngineArgs`` keywords for vLLM's ``--reasoning-parser`` and
+    ``--structured-outputs-config`` (JSON, as vLLM's command line takes it)."""
+    import json
+
+    args: dict = {}
+    if config_json:
+        from vllm.config import StructuredOutputsConfig
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(**json.loads(config_json))
+    if reasoning_parser:
+        args["reasoning_parser"] = reasoning_parser
+    return args
+
+
+def serving_kwargs(cls: type, offered: dict) -> dict:
+    """The arguments of ``offered`` that ``cls``'s constructor takes; raises naming any required
+    argument that is not offered."""
+    import inspect
+
+    parameters = inspect.signature(cls.__init__).parameters
+    missing = [name for name, p in parameters.items() if name != "self" and p.default is p.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in offered]
+    if missing:
+        raise EngineUnavailable(f"vLLM's {cls.__name__} wants {', '.join(missing)}, which loractl does not know",
+                                f"loractl's HTTP API is tested with vLLM {'.'.join(map(str, SUPPORTED[-1]))}; "
+                                "install that version.")
+    return {name: value for name, value in offered.items() if name in parameters}
+
+
+@dataclass
+class ServingRoute:
+    request_type: type
+    method: object      # the bound handler: (request, raw_request) -> ErrorResponse | response | stream
+
+    async def call(self, request, raw_request):
+        return await self.method(request, raw_request)
+
+
+def openai_serving(engine_client, models_type, served_names: list[str], model_path: str, options,
+                   chat_template: str | None) -> dict[str, ServingRoute]:
+    """vLLM's serving classes over ``engine_client`` and a ``models_type`` registry, built as
+    vLLM's own server builds them (``entrypoints/launchers/api_server/app_state.py`` and
+    ``entrypoints/generate/api_router.py``), with ``options`` (openai_serving.ServeOptions)."""
+    import importlib
+
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    if options.tool_parser_plugin:
+        from vllm.tool_parsers import ToolParserManager
+
+        ToolParserManager.import_tool_parser(options.tool_parser_plugin)
+    models = models_type(engine_client, [BaseModelPath(name=n, model_path=model_path) for n in served_names])
+    shared = dict(
+        engine_client=engine_client, models=models, request_logger=None, chat_template=chat_template,
+        chat_template_content_format=options.chat_template_content_format, response_role=options.response_role,
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids, enable_auto_tools=options.enable_auto_tool_choice,
+        tool_parser=options.tool_call_parser, reasoning_parser=options.reasoning_parser or "",
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        enable_force_include_usage=options.enable_force_include_usage,
+        exclude_tools_when_tool_choice_none=options.exclude_tools_when_tool_choice_none,
+        trust_request_chat_template=options.trust_request_chat_template,
+        default_chat_template_kwargs=options.chat_template_kwargs(), tool_server=None)
+    renderer = OnlineRenderer(**serving_kwargs(OnlineRenderer, {
+        **shared, "model_config": engine_client.model_config, "renderer": engine_client.renderer,
+        "reasoning_parser": options.reasoning_parser}))
+    renderer.warmup()
+    shared["online_renderer"] = renderer
+    built: dict[type, object] = {}
+    routes = {}
+    for route, (module, name, method, protocol, request_name) in _SERVING_CLASSES.items():
+        cls = getattr(importlib.import_module(module), name)
+        if cls not in built:
+            built[cls] = cls(**serving_kwargs(cls, shared))
+        routes[route] = ServingRoute(getattr(importlib.import_module(protocol), request_name),
+                                     getattr(built[cls], method))
+    return routes
+
+
+def serving_answer(result, answer_type):
+    """A handler's result as ``answer_type(status, body, stream)``, shaped as vLLM's routers
+    shape it: an error response with its code, a response model as JSON, a stream as SSE text
+    (the Responses API streams event objects: ``event: TYPE`` lines, as its router writes them)."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    if isinstance(result, ErrorResponse):
+        return answer_type(result.error.code, result.model_dump(mode="json"))
+    if hasattr(result, "model_dump"):
+        kind = type(result).__name__
+        return answer_type(200, result.model_dump(mode="json", by_alias=kind == "ResponsesResponse",
+                                                  exclude_none=kind == "AnthropicMessagesResponse"))
+    return answer_type(200, stream=_as_sse(result))
+
+
+async def _as_sse(stream):
+    async for item in stream:
+        if isinstance(item, str):
+            yield item
+        else:
+            yield f"event: {getattr(item, 'type', 'unknown')}\ndata: {item.model_dump_json(indent=None, by_alias=True)}\n\n"

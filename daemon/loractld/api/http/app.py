@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: routes, the guard in front of them, one error schema.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{id}]``,
+Routes: vLLM's own ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages`` (Anthropic), ``/tokenize`` and ``/detokenize`` (``serving``), ``GET /v1/models[/{id}]``,
 vLLM's ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``, ``GET /health``,
 ``GET /metrics`` (the same Prometheus text as ``loractl metrics``), ``GET /load``, ``GET /version``, and
 FastAPI's ``/docs``.
@@ -37,9 +38,8 @@ from loractl.errors import LoractlError
 from loractld.api import audit
 from loractld.api.http import models
 from loractld.api.http.errors import HttpError, error_response, from_domain
-from loractld.api.http.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest,
-                                        UnloadLoraAdapterRequest, parse)
-from loractld.api.http.serving import Limiter, Serving
+from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, json_body, parse
+from loractld.api.http.serving import ROUTES, Limiter, Serving
 from loractld.api.peers import may_change_state, tcp_peer_uid
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("loractld.http")
 _OPEN_PATHS = {"/health"}
-GENERATION_PATHS = {"/v1/chat/completions", "/v1/completions"}
+GENERATION_PATHS = set(ROUTES)   # generation and tokenization: no state changes
 _OPERATIONS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "evict"}
 PEER_UID = "loractl.peer_uid"   # the scope key the guard leaves the caller's uid under
 
@@ -63,13 +63,14 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
     async def body_of(request: Request, model):
         return parse(await read_body(request, settings.max_body_bytes, settings.body_timeout_s), model)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await serving.chat(request, await body_of(request, ChatCompletionRequest))
+    def generation_route(route: str):
+        async def endpoint(request: Request) -> Response:
+            body = json_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s))
+            return await serving.handle(route, request, body)
+        return endpoint
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request, await body_of(request, CompletionRequest))
+    for path, route in ROUTES.items():
+        app.add_api_route(path, generation_route(route), methods=["POST"], name=route)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:

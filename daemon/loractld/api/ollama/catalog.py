@@ -1,0 +1,199 @@
+"""``GET /api/tags``, ``GET /api/ps`` and ``POST /api/show``: the base model and every stored
+adapter, in Ollama's shapes, from the core's views (the tiers as the engine reports them).
+
+- tags: every model there is, with size on disk, a digest of its files, when it was pulled,
+  and ``details`` (family, parameter size, the adapter's base as ``parent_model``);
+- ps: what the engine holds: the base model, and each adapter in host RAM (``size_vram`` 0) or
+  in a device slot (``size_vram`` its size); ``expires_at`` is far in the future for the base
+  model and pinned adapters, and absent for the others (the least-recently-used rule, not a
+  clock, decides when they go);
+- show: details, the adapter's LoRA config and the model's sampling defaults as
+  ``parameters``, the chat template, ``model_info`` (context length, parameter count, LoRA
+  config) and ``capabilities``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loractld.api.ollama.names import base_listed_name, listed_name
+
+if TYPE_CHECKING:
+    from loractld.core import Core
+    from loractld.views import AdapterView
+
+FOREVER = "9999-12-31T23:59:59Z"
+# loractl's sampling defaults' names -> Ollama's parameter names.
+_PARAMETER_NAMES = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repeat_penalty"}
+
+
+@dataclass(frozen=True)
+class BaseFacts:
+    """What the base model's folder says of it, read once (off the event loop)."""
+
+    family: str = ""
+    parameters: int = 0
+    size: int = 0
+    template: str = ""
+    modified: float = 0.0
+
+
+def read_base_facts(folder: str, shapes: dict | None) -> BaseFacts:
+    path = Path(folder)
+    if not path.is_dir():
+        return BaseFacts(parameters=_count(shapes))
+    config = _json(path / "config.json")
+    tokenizer = _json(path / "tokenizer_config.json")
+    weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()]
+    template = tokenizer.get("chat_template") or ""
+    if not isinstance(template, str):   # a list of named templates: the default one
+        template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+    return BaseFacts(family=str(config.get("model_type") or ""), parameters=_count(shapes),
+                     size=sum(p.stat().st_size for p in weights), template=template,
+                     modified=max((p.stat().st_mtime for p in weights), default=0.0))
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _count(shapes: dict | None) -> int:
+    return sum(math.prod(shape) for shape in (shapes or {}).values())
+
+
+def parameter_size(count: int) -> str:
+    """``134515008`` -> ``"134.5M"``, as Ollama writes it."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}".rstrip("0").rstrip(".") + unit
+    return str(count)
+
+
+def iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class Catalog:
+    """The listings; the base model's facts are read at the first request that needs them."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._facts: BaseFacts | None = None
+
+    async def facts(self) -> BaseFacts:
+        if self._facts is None:
+            catalog = self.core.catalog
+            folder = catalog.base_model.model if catalog is not None else ""
+            shapes = catalog.base_model.shapes if catalog is not None else None
+            self._facts = await asyncio.to_thread(read_base_facts, folder, shapes)
+        return self._facts
+
+    @property
+    def base_name(self) -> str:
+        return base_listed_name(self.core.served_model_name or self.core.model_label)
+
+    def _dtype(self) -> str:
+        """The weights' type, as Ollama's quantization level (``F32``, ``BF16``)."""
+        engine = self.core.engine
+        dtype = str(engine.dtype).removeprefix("torch.") if engine is not None else ""
+        return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
+
+    def details(self, facts: BaseFacts, adapter: AdapterView | None) -> dict:
+        families = [facts.family] if facts.family else []
+        return {"parent_model": self.base_name if adapter is not None else "", "format": "safetensors",
+                "family": facts.family, "families": families + (["lora"] if adapter is not None else []),
+                "parameter_size": parameter_size(facts.parameters) if facts.parameters else "",
+                "quantization_level": self._dtype()}
+
+    async def tags(self) -> dict:
+        facts = await self.facts()
+        adapters = await self.core.list_adapters()
+        stored = {a.name for a in adapters}
+        models = [self._entry(self.base_name, facts.size, self._base_digest(), iso(facts.modified or
+                                                                               self.core.started_wall),
+                              self.details(facts, None))]
+        for a in adapters:
+            models.append(self._entry(listed_name(a.name, stored), a.size_bytes, digest(a), iso(a.pulled_at),
+                                      self.details(facts, a)))
+        return {"models": models}
+
+    async def ps(self) -> dict:
+        facts = await self.facts()
+        adapters = await self.core.list_adapters()
+        stored = {a.name for a in adapters}
+        engine = self.core.engine
+        on_gpu = engine is not None and str(engine.device).startswith("cuda")
+        context = engine.max_model_len if engine is not None else None
+        models = []
+        if engine is not None:
+            base = self._entry(self.base_name, facts.size, self._base_digest(), None, self.details(facts, None))
+            models.append({**base, "expires_at": FOREVER, "size_vram": facts.size if on_gpu else 0,
+                           "context_length": context})
+        for a in adapters:
+            if a.tier not in ("host", "device"):
+                continue
+            size = a.host_bytes or a.size_bytes
+            entry = self._entry(listed_name(a.name, stored), size, digest(a), None, self.details(facts, a))
+            entry.update(size_vram=size if a.tier == "device" else 0, context_length=context)
+            if a.pinned:
+                entry["expires_at"] = FOREVER
+            models.append(entry)
+        return {"models": models}
+
+    async def show(self, adapter: AdapterView | None, capabilities: list[str]) -> dict:
+        facts = await self.facts()
+        engine = self.core.engine
+        template = (getattr(engine.settings, "chat_template", None) if engine is not None else None) or facts.template
+        defaults = await self.core.sampling_defaults()
+        parameters = {_PARAMETER_NAMES[k]: v for k, v in defaults.items() if k in _PARAMETER_NAMES}
+        info = {"general.architecture": facts.family, "general.parameter_count": facts.parameters,
+                "general.basename": self.core.model_label}
+        if facts.family and engine is not None:
+            info[f"{facts.family}.context_length"] = engine.max_model_len
+        source = f"FROM {self.base_name}"
+        if adapter is not None:
+            lora = {"rank": adapter.rank, "alpha": adapter.alpha, "target_modules": adapter.target_modules,
+                    "base_model": adapter.base_model, "source": adapter.source, "ref": adapter.ref,
+                    "revision": adapter.revision}
+            parameters.update({f"lora_{k}": v for k, v in lora.items() if k in ("rank", "alpha")})
+            parameters["lora_target_modules"] = ",".join(adapter.target_modules)
+            info.update({f"lora.{k}": v for k, v in lora.items()})
+            source += f"\nADAPTER {adapter.path}"
+        lines = "\n".join(f"{k:<30} {v}" for k, v in parameters.items())
+        modelfile = f"# Modelfile of a loractl model\n{source}\n" + \
+            "".join(f"PARAMETER {k} {v}\n" for k, v in parameters.items() if not k.startswith("lora_")) + \
+            (f'TEMPLATE """{template}"""\n' if template else "")
+        modified = adapter.pulled_at if adapter is not None else (facts.modified or self.core.started_wall)
+        return {"license": "", "modelfile": modelfile, "parameters": lines, "template": template,
+                "details": self.details(facts, adapter), "model_info": info, "capabilities": capabilities,
+                "modified_at": iso(modified)}
+
+    def _base_digest(self) -> str:
+        catalog = self.core.catalog
+        where = catalog.base_model.model if catalog is not None else self.core.served_model_name
+        return hashlib.sha256(f"{self.base_name}\0{where}".encode()).hexdigest()
+
+    @staticmethod
+    def _entry(name: str, size: int, digest_: str, modified: str | None, details: dict) -> dict:
+        entry = {"name": name, "model": name, "size": size, "digest": digest_, "details": details}
+        if modified is not None:
+            entry["modified_at"] = modified
+        return entry
+
+
+def digest(adapter: AdapterView) -> str:
+    """A digest of the adapter's content (its files' sha256), as Ollama gives a model's."""
+    text = "".join(f"{f['name']}\0{f['sha256']}\n" for f in sorted(adapter.files, key=lambda f: f["name"]))
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,259 @@
+"""vLLM's own OpenAI serving layer (chat, completions, responses, Anthropic messages,
+tokenization) over loractl's engine: what `vllm serve --enable-lora` answers, answered the same.
+
+vLLM's serving classes are handed two things of loractl's instead of vLLM's:
+- an engine client (:class:`AdmittedEngineClient`): vLLM's ``AsyncLLM`` except for
+  ``generate``, which runs each engine request behind loractl's admission gate (``admit``,
+  the core's ``engine_request``), refuses an adapter the worker failed to load (the broken
+  journal), orders a stop string's abort before the gate hands the slot on, and counts tokens;
+- a models registry (:class:`ScopedModels`) that knows one adapter: the one the HTTP door
+  resolved through the store for the request being served (:data:`CURRENT`). vLLM's own
+  registry would keep names, counter ids and a permanent cache of its own; loractl's names map
+  to content-addressed engine ids, so a revision swap is seen by the next request.
+
+Invariants:
+- ``vllm`` is imported inside functions only (this module is imported by the daemon's
+  command line); which constructor takes which argument is ``compat.serving_kwargs``'s job.
+- :data:`CURRENT` is set by the door in the request's own task before vLLM's handler runs;
+  every engine request the handler starts (``n``, several prompts, a stream) runs in a copy of
+  that context, so it sees the adapter its request resolved and no other.
+- The door holds the adapter's lease for the whole response; nothing here releases it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loractl.errors import InvalidRequest
+from loractld.engine import compat
+
+_log = logging.getLogger("loractld.engine")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """vLLM's OpenAI server flags, under vLLM's names (``loractld --help`` lists them)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    tool_parser_plugin: str | None = None
+    reasoning_parser: str | None = None
+    chat_template_content_format: str = "auto"
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    trust_request_chat_template: bool = False
+    default_chat_template_kwargs: str | None = None   # JSON text, as vLLM takes it
+    structured_outputs_config: str | None = None      # JSON text, as vLLM takes it
+
+    def chat_template_kwargs(self) -> dict[str, Any] | None:
+        return json.loads(self.default_chat_template_kwargs) if self.default_chat_template_kwargs else None
+
+
+def add_arguments(parser: Any) -> None:
+    """vLLM's OpenAI server flags, with vLLM's names, so a `vllm serve` command line carries over."""
+    group = parser.add_argument_group("vLLM's OpenAI server flags (the --http API; same names as `vllm serve`)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model call tools on its own (tool_choice 'auto'); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", metavar="NAME",
+                       help="vLLM's parser of the model's tool calls (hermes, llama3_json, mistral, ...); needed "
+                            "for any tool_choice but 'none'")
+    group.add_argument("--tool-parser-plugin", metavar="FILE", help="a Python file that registers more tool parsers")
+    group.add_argument("--reasoning-parser", metavar="NAME",
+                       help="vLLM's parser of the model's reasoning (deepseek_r1, qwen3, ...): answers carry it "
+                            "apart as reasoning_content")
+    group.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                       help="how message content reaches the chat template (default: auto)")
+    group.add_argument("--response-role", default="assistant", metavar="ROLE",
+                       help="the role of the answers' messages (default: assistant)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens as 'token_id:N'")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage carries prompt_tokens_details (cached tokens)")
+    group.add_argument("--enable-force-include-usage", action="store_true", help="every response carries usage")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="with tool_choice 'none', leave the tools out of the prompt")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (a template runs code in the daemon's templating)")
+    group.add_argument("--default-chat-template-kwargs", metavar="JSON",
+                       help='keyword arguments for every chat template rendering, e.g. \'{"enable_thinking": false}\'')
+    group.add_argument("--structured-outputs-config", metavar="JSON",
+                       help='vLLM\'s structured outputs settings, e.g. \'{"backend": "xgrammar"}\' '
+                            "(default: vLLM's: auto)")
+
+
+def options_from(args: Any) -> ServeOptions:
+    """The options of :func:`add_arguments`; JSON values are checked here, before the start."""
+    for flag in ("default_chat_template_kwargs", "structured_outputs_config"):
+        text = getattr(args, flag)
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise InvalidRequest(f"--{flag.replace('_', '-')} is not JSON: {e}",
+                                 "Give a JSON object, e.g. '{\"backend\": \"xgrammar\"}'.") from e
+        if not isinstance(value, dict):
+            raise InvalidRequest(f"--{flag.replace('_', '-')} must be a JSON object", "Give a JSON object.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise InvalidRequest("--enable-auto-tool-choice needs --tool-call-parser",
+                             "Name the parser for your model's tool calls, e.g. --tool-call-parser hermes.")
+    return ServeOptions(**{f: getattr(args, f) for f in ServeOptions.__dataclass_fields__})
+
+
+@dataclass
+class RequestScope:
+    """The adapter one HTTP request resolved: ``model`` as the client named it; ``adapter``
+    None for the base model. ``lora_request`` is built from it (the content-addressed id)."""
+
+    model: str
+    adapter: Any = None          # loractld.store.identity.AdapterRef
+    name: str | None = None      # the store name, when the adapter came from the store
+    lora_request: Any = None
+    counted: list[int] = field(default_factory=list)
+
+
+CURRENT: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("loractl_openai_scope", default=None)
+
+
+@dataclass
+class Answer:
+    """What a handler answered: a JSON body with its status, or (status 200) an SSE stream."""
+
+    status: int
+    body: dict | None = None
+    stream: AsyncIterator[str] | None = None
+
+
+class ScopedModels:
+    """vLLM's ``OpenAIServingModels`` as its serving classes use it (``lora_requests``,
+    ``is_base_model``, ``model_name``, ``resolve_lora``, ``base_model_paths``), knowing only the
+    adapter of the request in :data:`CURRENT`."""
+
+    def __init__(self, engine_client: Any, base_model_paths: list) -> None:
+        self.engine_client = engine_client
+        self.base_model_paths = base_model_paths
+        self.model_config = engine_client.model_config
+        self.renderer = engine_client.renderer
+        self.input_processor = getattr(engine_client, "input_processor", None)
+
+    @property
+    def lora_requests(self) -> dict:
+        scope = CURRENT.get()
+        return {scope.model: scope.lora_request} if scope is not None and scope.lora_request is not None else {}
+
+    def is_base_model(self, model_name: str | None) -> bool:
+        scope = CURRENT.get()
+        return scope is not None and scope.lora_request is None and model_name == scope.model
+
+    def model_name(self, lora_request: Any = None) -> str:
+        """What a response's ``model`` says: the name the client used for an adapter, the
+        served name for the base model (as vLLM's server answers)."""
+        scope = CURRENT.get()
+        if lora_request is not None and scope is not None:
+            return scope.model
+        return self.base_model_paths[0].name
+
+    async def resolve_lora(self, lora_name: str) -> None:
+        return None   # the door resolved the name already; an unknown one never gets this far
+
+
+class AdmittedEngineClient:
+    """vLLM's engine client for its serving classes: the engine's ``AsyncLLM`` in everything
+    but ``generate``. See the module for what ``generate`` adds."""
+
+    def __init__(self, engine: Any, admit: Callable, count: Callable[[Any, int], None]) -> None:
+        self._engine = engine
+        self._llm = engine._llm
+        self._admit = admit
+        self._count = count
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *, lora_request: Any = None,
+                       **kwargs: Any) -> AsyncIterator[Any]:
+        from vllm.sampling_params import RequestOutputKind
+
+        scope = CURRENT.get()
+        adapter = scope.adapter if scope is not None else None
+        if (lora_request is None) != (adapter is None) or (
+                adapter is not None and lora_request.lora_int_id != adapter.engine_id):
+            raise RuntimeError("an engine request for an adapter its HTTP request did not resolve")
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        engine = self._engine
+        async with self._admit(adapter, scope.name if scope else None) as label:
+            engine_ids: list[str] = []
+            produced = 0
+            async for out in self._llm.generate(prompt, sampling_params, request_id, lora_request=lora_request,
+                                                **kwargs):
+                if not engine_ids:
+                    engine_ids = engine._engine_request_ids(request_id)
+                if out.finished and engine_ids and any(isinstance(o.stop_reason, str) for o in out.outputs):
+                    await engine._abort_in_engine(engine_ids)
+                if adapter is not None:
+                    engine._refuse_if_broken(adapter)   # its stand-in's tokens never reach the client
+                tokens = sum(len(o.token_ids) for o in out.outputs)
+                if delta:
+                    self._count(label, tokens)
+                else:
+                    produced = tokens
+                yield out
+            if not delta and produced:
+                self._count(label, produced)
+
+
+class OpenAISurface:
+    """vLLM's serving classes, built once over an :class:`AdmittedEngineClient`; the door calls
+    :meth:`answer` with a route name and the request's JSON body."""
+
+    def __init__(self, engine: Any, options: ServeOptions, admit: Callable, count: Callable,
+                 served_names: list[str]) -> None:
+        self._engine = engine
+        self.client = AdmittedEngineClient(engine, admit, count)
+        self._routes = compat.openai_serving(self.client, ScopedModels, served_names, engine.settings.model,
+                                             options, engine.settings.chat_template)
+        self._validators: dict[str, Any] = {}
+
+    def fields(self, route: str) -> set[str]:
+        """The request fields ``route`` knows (names and aliases)."""
+        import typing
+
+        request_type = self._routes[route].request_type
+        known: set[str] = set()
+        for model in typing.get_args(request_type) or (request_type,):   # /tokenize takes a union
+            known |= set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+        return known
+
+    def scope(self, model: str, adapter: Any, name: str | None) -> RequestScope:
+        """Set the current request's adapter (see :data:`CURRENT`), for this task and the tasks
+        it starts from now on."""
+        scope = RequestScope(model=model, adapter=adapter, name=name,
+                             lora_request=self._engine._lora_request(adapter) if adapter is not None else None)
+        CURRENT.set(scope)
+        return scope
+
+    async def answer(self, route: str, body: dict, raw_request: Any) -> Answer:
+        """vLLM's answer to ``body`` on ``route``: its validation, its handler, its shapes."""
+        from pydantic import TypeAdapter, ValidationError
+
+        handler = self._routes[route]
+        try:
+            validator = self._validators.get(route)
+            if validator is None:
+                validator = self._validators[route] = TypeAdapter(handler.request_type)
+            request = validator.validate_python(body)
+        except ValidationError as e:
+            first = e.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(f"{where + ': ' if where else ''}{first['msg']}",
+                                 "Fix the field named and send the request again.") from e
+        result = await handler.call(request, raw_request)
+        return compat.serving_answer(result, Answer)

@@ -1,0 +1,134 @@
+"""loractl's :class:`Sampling` as vLLM's ``SamplingParams``, vLLM's refusals of it as
+:class:`InvalidRequest`, and vLLM's sample logprobs as :class:`TokenLogprob`.
+
+Invariants:
+- Every field of ``Sampling`` reaches ``SamplingParams``; none is dropped.
+- A value vLLM refuses, here or when the engine takes the request (structured-output
+  grammars are compiled there), is an ``InvalidRequest`` that names the field.
+- More than one structured-output constraint is refused here, by name.
+- vllm is imported from its modules inside the functions (as ``Engine.generate`` does):
+  importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from loractl.errors import InvalidRequest
+from loractld.engine.sampling import Sampling, TokenLogprob
+
+# Sampling's fields and vLLM's: only ``structured`` (vLLM: structured_outputs) and ``top_k``
+# (0 here means off, vLLM's -1 accepted too) differ.
+_PLAIN = ("min_tokens", "temperature", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "ignore_eos", "logprobs")
+_STRUCTURED = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip() or type(error).__name__).splitlines()[0]
+
+
+def client_errors() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses: VLLMClientError (0.32), ValueError before."""
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMClientError)
+
+
+@functools.cache
+def _has_flat_logprobs() -> bool:
+    from vllm.sampling_params import SamplingParams
+
+    return "flat_logprobs" in SamplingParams.__struct_fields__
+
+
+def to_sampling_params(sampling: Sampling, max_tokens: int) -> Any:
+    """vLLM's ``SamplingParams`` for ``sampling`` (streamed as deltas), ``max_tokens`` already
+    settled against the context. Raises :class:`InvalidRequest` naming the field vLLM refuses."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    kwargs = {name: getattr(sampling, name) for name in _PLAIN}
+    kwargs.update(max_tokens=max_tokens, top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                  stop=sampling.stop or None, output_kind=RequestOutputKind.DELTA)
+    if sampling.stop_token_ids:
+        kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.logit_bias:
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
+    if sampling.logprobs is not None and _has_flat_logprobs():
+        kwargs["flat_logprobs"] = True  # a few flat lists per request, not a dict per token
+    if sampling.structured is not None and sampling.structured.kinds():
+        kwargs["structured_outputs"] = structured_outputs(sampling)
+    try:
+        return SamplingParams(**kwargs)
+    except client_errors() as e:
+        # vLLM's own checks of the values (an empty stop string, a penalty out of range, ...;
+        # found by tests/test_fuzz_grpc.py): the request's fault, not an internal error.
+        raise refusal(e, sampling, "invalid sampling parameters") from e
+
+
+def structured_outputs(sampling: Sampling) -> Any:
+    """vLLM's ``StructuredOutputsParams`` for ``sampling.structured``: exactly one constraint."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    structured = sampling.structured
+    kinds = structured.kinds()
+    if len(kinds) > 1:
+        raise InvalidRequest(f"more than one structured output constraint: {', '.join(kinds)}",
+                             "Give one of json_schema, json_object, regex, choice or grammar: vLLM applies one.")
+    try:
+        return StructuredOutputsParams(json=structured.json_schema, json_object=structured.json_object or None,
+                                       regex=structured.regex, choice=structured.choice, grammar=structured.grammar)
+    except client_errors() as e:
+        raise refusal(e, sampling, f"invalid {kinds[0]}") from e
+
+
+def refused_field(error: Exception, sampling: Sampling) -> str | None:
+    """The field vLLM's ``error`` is about: the one it names, else the structured-output
+    constraint when the request has one and the error is about structured outputs."""
+    parameter = getattr(error, "parameter", None)
+    if parameter:
+        return str(parameter)
+    text = str(error)
+    kinds = sampling.structured.kinds() if sampling.structured is not None else []
+    if kinds and any(word in text.lower() for word in ("structured", "grammar", "regex", "json", "choice", "schema")):
+        return kinds[0]
+    names = [name for name in (*_PLAIN, "top_k", "stop_token_ids", "logit_bias", "stop", "max_tokens") if name in text]
+    # The first named (vLLM's messages start with the field), the longest where two start there.
+    return min(names, key=lambda name: (text.index(name), -len(name))) if names else None
+
+
+def refusal(error: Exception, sampling: Sampling, what: str = "the engine refused the request") -> InvalidRequest:
+    """vLLM's refusal of ``sampling`` as one line that names the field, with a hint."""
+    name = refused_field(error, sampling)
+    message = _first_line(error)
+    if name is None:
+        return InvalidRequest(f"{what}: {message}", "Check the prompt's tokens and the sampling parameters.")
+    hint = (f"Fix the {name} constraint, or leave it out." if name in _STRUCTURED
+            else f"Check {name} against vLLM's range for it (loractl run --help lists them).")
+    return InvalidRequest(f"invalid {name}: {message}", hint)
+
+
+def token_logprobs(logprobs: Any, token_ids: Any, top: int) -> list[TokenLogprob]:
+    """One :class:`TokenLogprob` per token of ``token_ids`` from vLLM's sample logprobs of the
+    same tokens (a ``FlatLogprobs``, or a list of {token id: Logprob}): the sampled token's
+    logprob and text, and the ``top`` most likely tokens, most likely first."""
+    if logprobs is None:
+        return []
+    starts = getattr(logprobs, "start_indices", None)
+    out: list[TokenLogprob] = []
+    if starts is not None:  # FlatLogprobs: the sampled token first, then the top ranks in order
+        ids, values, texts, ends = logprobs.token_ids, logprobs.logprobs, logprobs.decoded_tokens, logprobs.end_indices
+        for position, token_id in enumerate(token_ids):
+            start, end = starts[position], ends[position]
+            out.append(TokenLogprob(token_id=token_id, logprob=values[start], text=texts[start] or "",
+                                    top=[(ids[i], values[i], texts[i] or "") for i in range(start + 1, end)]))
+        return out
+    for token_id, position in zip(token_ids, logprobs):
+        sampled = position[token_id]
+        ranked = sorted((p.rank, i, p) for i, p in position.items() if p.rank is not None and p.rank <= top)
+        out.append(TokenLogprob(token_id=token_id, logprob=sampled.logprob, text=sampled.decoded_token or "",
+                                top=[(i, p.logprob, p.decoded_token or "") for _, i, p in ranked]))
+    return out
