@@ -10,7 +10,8 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 stamp="$VENV/.loractl-setup"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/loractld" ] \
-   && [ -x "${LORACTL_FRONTEND_VENV:-.venv-frontend}/bin/python" ]; then
+   && [ -x "${LORACTL_FRONTEND_VENV:-.venv-frontend}/bin/python" ] \
+   && [ -x "${LORACTL_LMEVAL_VENV:-.venv-lmeval}/bin/lm_eval" ]; then
   exit 0
 fi
 
@@ -55,6 +56,23 @@ if ! "$FRONTEND/bin/python" -c 'import dynamo.frontend' 2>/dev/null; then
   VENV=$FRONTEND pip_quiet install -q --no-deps ai-dynamo==1.6.1
   "$FRONTEND/bin/python" -c 'import dynamo.frontend' \
     || { echo "setup: Dynamo's frontend does not import; see the pip output above" >&2; exit 1; }
+fi
+
+# tests/test_lm_eval.py runs lm-evaluation-harness (`lm_eval --model local-completions`) against the
+# HTTP API and vLLM's own server. It gets a venv of its own: it talks HTTP, needs no torch (0.4.13
+# imports it only when present), and its ~40 dependencies (datasets, pandas, pyarrow, scipy, ...)
+# would otherwise be resolved together with vLLM's pins at every setup. transformers: the
+# tokenizer it counts context tokens with (tokenizer=<model folder>).
+LMEVAL=${LORACTL_LMEVAL_VENV:-.venv-lmeval}
+LMEVAL_VERSION=0.4.13
+if ! "$LMEVAL/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('lm_eval') != '$LMEVAL_VERSION')" \
+     2>/dev/null || [ ! -x "$LMEVAL/bin/lm_eval" ]; then
+  echo "setup: installing lm-evaluation-harness $LMEVAL_VERSION in $LMEVAL (about 900 MB)"
+  [ -x "$LMEVAL/bin/python" ] || "$PY" -m venv "$LMEVAL"
+  echo '*' > "$LMEVAL/.gitignore"  # as Python 3.13's venv writes: git ignores the folder
+  VENV=$LMEVAL pip_quiet install -q "lm-eval[api]==$LMEVAL_VERSION" transformers
+  "$LMEVAL/bin/python" -c 'import lm_eval.models.openai_completions, transformers' \
+    || { echo "setup: lm-eval does not import; see the pip output above" >&2; exit 1; }
 fi
 echo "$want" > "$stamp"
 echo "setup: done ($VENV)"

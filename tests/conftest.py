@@ -29,6 +29,10 @@ BIN = Path(sys.executable).parent
 # it once per run, a developer's later runs reuse it.
 REAL_DEMO_CACHE = REPO / ".cache" / "real-demo"
 RIG_CONTEXT = 1024  # the tiny model's whole context
+# vLLM's OpenAI server flags the rig's HTTP API runs with, and vLLM's own server beside it (vllm_server).
+RIG_SERVER_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# Adapters served under these names by both the rig (pulled) and vLLM's own server (--lora-modules).
+ORACLE_ADAPTERS = {"oracle/sql": "sql-expert", "oracle/poet": "poet"}
 ENGINE_FLAGS = ["--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                 "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16"]
 
@@ -212,7 +216,7 @@ def rig(home, socket_users) -> Rig:
     users, _ = socket_users
     # A longer context than the other daemons': a killed client's request must still be running
     # when the daemon aborts it, even on a loaded machine (test_kill_points).
-    rig = Rig(root, ("--http", "127.0.0.1:0", "--max-model-len", str(RIG_CONTEXT),
+    rig = Rig(root, ("--http", "127.0.0.1:0", "--max-model-len", str(RIG_CONTEXT), *RIG_SERVER_FLAGS,
                      *(("--socket-group", users.group) if users else ())))
     rig.start()
     yield rig
@@ -353,3 +357,68 @@ def add_bos(model: Path) -> int:
     }
     (model / "tokenizer.json").write_text(json.dumps(tokenizer))
     return bos
+
+
+@dataclass
+class VllmServer:
+    """vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the tiny
+    model, with the rig's engine and server flags and :data:`ORACLE_ADAPTERS` as LoRA modules:
+    the oracle the HTTP API is compared with. ``model`` is the base model's name in both."""
+    proc: subprocess.Popen
+    url: str
+    model: str
+    log: Path
+
+
+def adapter_folder(demo: Path, adapter: str) -> Path:
+    """The folder of a demo adapter that holds its adapter_config.json."""
+    return next((demo / "adapters" / adapter).rglob("adapter_config.json")).parent
+
+
+@pytest.fixture(scope="session")
+def oracle_rig(rig) -> Rig:
+    """The rig with :data:`ORACLE_ADAPTERS` pulled under their oracle names."""
+    for name, adapter in ORACLE_ADAPTERS.items():
+        rig.ok("pull", str(adapter_folder(rig.root / "tiny", adapter)), "--name", name)
+    return rig
+
+
+@pytest.fixture(scope="session")
+def vllm_server(home: Path, oracle_rig) -> VllmServer:
+    import socket
+    import urllib.request
+
+    model = json.loads(urllib.request.urlopen(f"{oracle_rig.http}/v1/models", timeout=10).read())["data"][0]["id"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = home / "vllm-server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(home / "tiny" / "model"),
+           "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
+           "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16", "--max-model-len", str(RIG_CONTEXT),
+           "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+           "--disable-uvicorn-access-log", *RIG_SERVER_FLAGS, "--lora-modules",
+           *(f"{name}={adapter_folder(home / 'tiny', adapter)}" for name, adapter in ORACLE_ADAPTERS.items())]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", model, log)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"vLLM's server not up after 300 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield server
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -7,7 +7,9 @@ follow each store (pull publishes, rm withdraws); a tokenized request sent to B 
 runtime gives the HF + PEFT reference's tokens; a stopped request is aborted in the engine, leaving
 nothing running; Dynamo's /v1/loras (load from a folder with the store's checks, list, unload)
 on A's system port; the frontend's requests for B's adapter all reach B with the reference's
-text; SIGTERM withdraws every key at once (the file backend would drop them only after ~10 s).
+text; the frontend's options reach the engine (a JSON schema and a choice constrain the output,
+n=2 gives two choices, logprobs match HF + PEFT's) or are refused by name (echo's prompt
+logprobs); SIGTERM withdraws every key at once (the file backend would drop them only after ~10 s).
 
 The frontend (``python -m dynamo.frontend``, the ai-dynamo wheel) is not a loractl dependency:
 scripts/setup.sh installs it in .venv-frontend ($LORACTL_DYNAMO_FRONTEND_PYTHON names another
@@ -254,11 +256,16 @@ def _frontend_python() -> tuple[str | None, str]:
 
 def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{e.code} from {url}: {e.read().decode()[:2000]}") from e
 
 
-def test_the_frontend_sends_an_adapters_requests_to_the_worker_holding_it(fleet, demo, reference):
+@pytest.fixture(scope="module")
+def frontend(fleet) -> str:
+    """Dynamo's frontend over the fleet: its base URL, once it lists B's adapter."""
     python, why = _frontend_python()
     if python is None:
         print(f"SKIPPED: {why}")
@@ -266,9 +273,9 @@ def test_the_frontend_sends_an_adapters_requests_to_the_worker_holding_it(fleet,
     port = free_port()
     log = fleet["root"] / "frontend.log"
     with open(log, "wb") as out:
-        frontend = subprocess.Popen([python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
-                                     str(port), "--discovery-backend", "file"], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **fleet["env"]}, start_new_session=True, cwd=fleet["root"])
+        process = subprocess.Popen([python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
+                                    str(port), "--discovery-backend", "file"], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **fleet["env"]}, start_new_session=True, cwd=fleet["root"])
     try:
         def listed() -> bool:
             try:
@@ -277,18 +284,79 @@ def test_the_frontend_sends_an_adapters_requests_to_the_worker_holding_it(fleet,
             except OSError:
                 return False
         wait_for(listed, 60, "the frontend to list the adapter")
-        question = "Write a query that counts the users."
-        expected = reference.text(reference.greedy(reference.chat_ids(question), demo / "adapters" / ADAPTER, MAX_NEW))
-        before = _requests(fleet["b"])
-        for _ in range(6):
-            answer = _post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                           {"model": ADAPTER, "messages": [{"role": "user", "content": question}],
-                            "max_tokens": MAX_NEW, "temperature": 0})
-            assert answer["choices"][0]["message"]["content"] == expected
-        assert _requests(fleet["b"]) - before == 6  # all six on B (A has no such adapter and would refuse)
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(frontend.pid, signal.SIGTERM)
-        frontend.wait(30)
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+
+
+def test_the_frontend_sends_an_adapters_requests_to_the_worker_holding_it(fleet, frontend, demo, reference):
+    question = "Write a query that counts the users."
+    expected = reference.text(reference.greedy(reference.chat_ids(question), demo / "adapters" / ADAPTER, MAX_NEW))
+    before = _requests(fleet["b"])
+    for _ in range(6):
+        answer = _post(f"{frontend}/v1/chat/completions",
+                       {"model": ADAPTER, "messages": [{"role": "user", "content": question}],
+                        "max_tokens": MAX_NEW, "temperature": 0})
+        assert answer["choices"][0]["message"]["content"] == expected
+    assert _requests(fleet["b"]) - before == 6  # all six on B (A has no such adapter and would refuse)
+
+
+def test_the_frontends_options_reach_the_engine_through_the_worker(frontend, demo, reference):
+    """Issue 38: what the frontend carries (a JSON schema, a choice, logprobs, n) is honoured, and
+    what loractl cannot do (echo's prompt logprobs) is refused by name, not dropped."""
+    import jsonschema
+
+    question = "Write a query that counts the users."
+    chat = {"model": ADAPTER, "messages": [{"role": "user", "content": question}], "temperature": 0}
+    # A schema that leaves no room for whitespace: inside an object the tiny model, free to put
+    # any whitespace there, filled max_tokens with it (seen: '{' and then only spaces).
+    schema = {"type": "string", "enum": ["users", "orders"]}
+    answer = _post(f"{frontend}/v1/chat/completions", {**chat, "max_tokens": 16, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "count", "schema": schema}}})
+    jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), schema)
+    answer = _post(f"{frontend}/v1/chat/completions", {**chat, "max_tokens": 8, "guided_choice": ["yes", "no"]})
+    assert answer["choices"][0]["message"]["content"] in ("yes", "no")
+
+    prompt, adapter = reference.chat_ids(question), demo / "adapters" / ADAPTER
+    ids = reference.greedy(prompt, adapter, MAX_NEW)
+    answer = _post(f"{frontend}/v1/chat/completions", {**chat, "max_tokens": MAX_NEW, "logprobs": True,
+                                                       "top_logprobs": 2})
+    assert answer["choices"][0]["message"]["content"] == reference.text(ids)
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [t["token_id"] for t in content] == ids
+    assert [t["logprob"] for t in content] == pytest.approx(_reference_logprobs(reference, prompt, ids, adapter),
+                                                            abs=1e-3)
+    for token in content:  # greedy: the sampled token is the most likely
+        assert len(token["top_logprobs"]) == 2 and token["top_logprobs"][0]["logprob"] == token["logprob"]
+    # n=2 (the frontend wants a temperature then): two choices, each token's logprob HF + PEFT's.
+    answer = _post(f"{frontend}/v1/chat/completions", {**chat, "max_tokens": MAX_NEW, "n": 2, "temperature": 1.0,
+                                                       "seed": 5, "logprobs": True})
+    assert sorted(c["index"] for c in answer["choices"]) == [0, 1]
+    for choice in answer["choices"]:
+        sampled = [t["token_id"] for t in choice["logprobs"]["content"]]
+        assert sampled and [t["logprob"] for t in choice["logprobs"]["content"]] == \
+            pytest.approx(_reference_logprobs(reference, prompt, sampled, adapter), abs=1e-3)
+
+    echo = urllib.request.Request(f"{frontend}/v1/completions", headers={"Content-Type": "application/json"},
+                                  data=json.dumps({"model": ADAPTER, "prompt": "SELECT", "max_tokens": 2,
+                                                   "logprobs": 1, "echo": True}).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(echo, timeout=60)
+    assert refused.value.code == 400 and "prompt_logprobs is not supported" in refused.value.read().decode()
+
+
+def _reference_logprobs(reference, prompt: list[int], ids: list[int], adapter: Path) -> list[float]:
+    """HF + PEFT's log-probabilities of ``ids`` after ``prompt`` (float32)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(reference.model_dir, dtype=torch.float32),
+                                      str(adapter)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
 
 
 def _requests(worker: Worker) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from loractl import paths
+from loractl.cli import _sampling as opts
 from loractl.cli._common import HomeOpt, SocketOpt, stderr
 from loractl.cli._output import cli_errors, waiting_notice
 from loractl.cli.run import ENGINE_START_TIMEOUT_S
@@ -47,12 +48,11 @@ class Conversation:
         self.turns += [{"role": "user", "content": user_text}, {"role": "assistant", "content": reply}]
 
 
-async def _reply(client: Client, convo: Conversation, text: str, max_tokens: int, temperature: float,
-                 echo: bool) -> str:
+async def _reply(client: Client, convo: Conversation, text: str, sampling: dict, echo: bool) -> str:
+    """``sampling``: :meth:`Client.generate`'s sampling keyword arguments, the same every turn."""
     parts: list[str] = []
     try:
-        async for chunk in client.generate(messages=convo.messages(text), lora=convo.lora, max_tokens=max_tokens,
-                                           temperature=temperature):
+        async for chunk in client.generate(messages=convo.messages(text), lora=convo.lora, **sampling):
             if chunk.text:
                 parts.append(chunk.text)
                 if echo:
@@ -97,6 +97,13 @@ def chat(
         "--max-tokens", "-n", min=1, help="Most tokens per reply (default: 512, fewer where the context ends first).",
     )] = None,
     temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
+    min_p: opts.MinPOpt = None,
+    presence_penalty: opts.PresencePenaltyOpt = None,
+    frequency_penalty: opts.FrequencyPenaltyOpt = None,
+    repetition_penalty: opts.RepetitionPenaltyOpt = None,
+    logit_bias: opts.LogitBiasOpt = None,
+    stop_token_ids: opts.StopTokenIdsOpt = None,
+    ignore_eos: opts.IgnoreEosOpt = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
 ) -> None:
@@ -111,11 +118,16 @@ def chat(
         loractl chat --lora sql-expert/v1
 
         echo "Write a query that counts users" | loractl chat --lora sql-expert/v1
+
+        loractl chat --repetition-penalty 1.2 --min-p 0.05
     """
     from loractl.client import Client
 
     convo = Conversation(system, lora)
     with asyncio.Runner() as runner, cli_errors():
+        sampling = dict(max_tokens=max_tokens, temperature=temperature,
+                        **opts.sampling_kwargs(min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                                               logit_bias, stop_token_ids, ignore_eos))
         client = Client(socket, home=home, prefer_adapter=lora)
         try:
             # Fails fast, with the usual hint, when no daemon is up; says so while an engine starts.
@@ -124,10 +136,10 @@ def chat(
                 text = sys.stdin.read().strip()
                 if not text:
                     raise LoractlError("nothing to say: stdin was empty", "Pipe a message into loractl chat.")
-                runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
+                runner.run(_reply(client, convo, text, sampling, echo=True))
                 sys.stdout.write("\n")
                 return
-            _interactive(runner, client, convo, max_tokens, temperature, home)
+            _interactive(runner, client, convo, sampling, home)
         finally:
             client.close()
 
@@ -172,8 +184,8 @@ def read_message(first: str, read_line=input) -> str:
     return "\n".join(lines).strip()
 
 
-def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, max_tokens: int,
-                 temperature: float, home: str | None) -> None:
+def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, sampling: dict,
+                 home: str | None) -> None:
     _enable_line_editing(home)
     stderr.print(f"[dim]chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave[/]")
     while True:
@@ -186,15 +198,14 @@ def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, ma
             sys.stdout.write("\n")
             continue
         try:
-            if _turn(runner, client, convo, text, max_tokens, temperature) == "exit":
+            if _turn(runner, client, convo, text, sampling) == "exit":
                 return
         except KeyboardInterrupt:
             sys.stdout.write("\n")
             stderr.print("[dim](stopped)[/]")
 
 
-def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str, max_tokens: int,
-          temperature: float) -> str | None:
+def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str, sampling: dict) -> str | None:
     if not text:
         return None
     if text.startswith("/"):
@@ -223,7 +234,7 @@ def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str
             stderr.print(f"[red]unknown command {command}[/]; /help lists them")
         return None
     try:
-        runner.run(_reply(client, convo, text, max_tokens, temperature, echo=True))
+        runner.run(_reply(client, convo, text, sampling, echo=True))
         sys.stdout.write("\n")
     except LoractlError as e:
         # One failed turn (say, an unknown adapter) must not end the session.

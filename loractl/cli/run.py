@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from loractl.cli._common import HomeOpt, SocketOpt, with_client
+from loractl.cli import _sampling as opts
+from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, print_json, with_client
 from loractl.cli._complete import adapter_names
-from loractl.cli._output import waiting_notice
+from loractl.cli._output import cli_errors, waiting_notice
+from loractl.errors import InvalidRequest
 
 # How long run and chat wait for a daemon whose engine is still starting (a cold start of a
 # large model can take minutes); they say so on stderr while they wait.
@@ -35,12 +37,30 @@ def run(
                                                help="Sampling temperature; 0 is greedy.")] = 0.8,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed, for repeatable samples.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    json_schema: opts.JsonSchemaOpt = None,
+    json_object: opts.JsonObjectOpt = False,
+    regex: opts.RegexOpt = None,
+    choice: opts.ChoiceOpt = None,
+    grammar: opts.GrammarOpt = None,
+    min_p: opts.MinPOpt = None,
+    presence_penalty: opts.PresencePenaltyOpt = None,
+    frequency_penalty: opts.FrequencyPenaltyOpt = None,
+    repetition_penalty: opts.RepetitionPenaltyOpt = None,
+    logit_bias: opts.LogitBiasOpt = None,
+    stop_token_ids: opts.StopTokenIdsOpt = None,
+    ignore_eos: opts.IgnoreEosOpt = False,
+    logprobs: opts.LogprobsOpt = None,
+    json_output: JsonOpt = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
 ) -> None:
     """Answer PROMPT, streaming tokens to stdout as they arrive.
 
     The prompt goes through the model's chat template as one user message, unless --raw.
+    The sampling options are vLLM's, with its names and ranges; at most one of --json-schema,
+    --json-object, --regex, --choice and --grammar constrains the answer. --json prints the
+    whole answer as one JSON object at the end (text, token ids, finish reason, usage, and with
+    --logprobs each token's logprob).
 
     Examples:
 
@@ -49,7 +69,22 @@ def run(
         loractl run --lora ./adapters/sql-expert --temperature 0 "List all tables"
 
         echo "Summarise this" | loractl run -
+
+        loractl run --json-schema person.schema.json "Invent a person"
+
+        loractl run --choice yes,no "Is SQL declarative?"
+
+        loractl run --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}' "When did Apollo 11 land?"
+
+        loractl run -t 0 --json --logprobs 3 "Count to three"
     """
+    with cli_errors():
+        if logprobs is not None and not json_output:
+            raise InvalidRequest("--logprobs shows logprobs in the --json output only", "Add --json.")
+        kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=logprobs,
+                      **opts.structured_kwargs(json_schema, json_object, regex, choice, grammar),
+                      **opts.sampling_kwargs(min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                                             logit_bias, stop_token_ids, ignore_eos))
     if prompt == "-":
         prompt = sys.stdin.read()
 
@@ -58,9 +93,11 @@ def run(
         client.prefer_adapter = lora
         # A daemon still starting its engine would hold the request silently for as long.
         await client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice())
-        kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed)
         chunks = (client.generate(prompt, **kwargs) if raw
                   else client.generate(messages=[{"role": "user", "content": prompt}], **kwargs))
+        if json_output:
+            print_json(await answer(chunks, with_logprobs=logprobs is not None))
+            return
         printed = False
         async for chunk in chunks:
             if chunk.text:
@@ -73,6 +110,22 @@ def run(
             print("loractl: the model answered with no text (it ended its answer at once)", file=sys.stderr)
 
     with_client(socket, home, stream)
+
+
+async def answer(chunks, with_logprobs: bool) -> dict:
+    """A streamed answer, whole, as ``run --json`` prints it."""
+    result = {"text": "", "token_ids": [], "finish_reason": "", "adapter": "", "prompt_tokens": 0,
+              "completion_tokens": 0}
+    logprobs = []
+    async for chunk in chunks:
+        result["text"] += chunk.text
+        result["token_ids"] += chunk.token_ids
+        logprobs += chunk.logprobs
+        for name in ("finish_reason", "adapter", "prompt_tokens", "completion_tokens"):
+            result[name] = getattr(chunk, name) or result[name]
+    if with_logprobs:
+        result["logprobs"] = opts.logprob_dicts(logprobs)
+    return result
 
 
 def register(app: typer.Typer) -> None:

@@ -274,7 +274,7 @@ class Core(DiskOps):
             from loractld.engine.openai_serving import OpenAISurface
 
             surface = OpenAISurface(engine, engine.settings.openai, self.engine_request, self._generated,
-                                    [self.model_label])
+                                    [self.served_model_name or self.model_label])
             self._openai = (engine, surface)
         return self._openai[1]
 

@@ -250,6 +250,17 @@ def serving_answer(result, answer_type):
     return answer_type(200, stream=_as_sse(result))
 
 
+def error_answer(error: Exception, answer_type):
+    """An exception out of a serving class's handler as vLLM's server answers it (its exception
+    handlers: a validation error is a 400 naming the parameter, anything else a 500)."""
+    try:
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    except ImportError:   # 0.26
+        from vllm.entrypoints.serve.utils.error_response import create_error_response
+    response = create_error_response(error)
+    return answer_type(response.error.code, response.model_dump(mode="json"))
+
+
 async def _as_sse(stream):
     async for item in stream:
         if isinstance(item, str):

@@ -22,14 +22,16 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loractl.errors import InvalidRequest
+from loractl.errors import InvalidRequest, LoractlError
 from loractld.engine import compat
 
 _log = logging.getLogger("loractld.engine")
@@ -252,8 +254,19 @@ class OpenAISurface:
             request = validator.validate_python(body)
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise InvalidRequest(f"{where + ': ' if where else ''}{first['msg']}",
-                                 "Fix the field named and send the request again.") from e
-        result = await handler.call(request, raw_request)
+            # Field names and list indexes; not the union branches pydantic tried ("str", "list[int]").
+            where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or (
+                re.fullmatch(r"[a-z_][a-z0-9_]*", p) and p not in ("str", "int", "float", "bool", "list", "dict")))
+            return Answer(400, {"error": {"message": f"{where + ': ' if where else ''}{first['msg']}",
+                                          "type": "BadRequestError", "param": where or None, "code": 400}})
+        except Exception as e:  # noqa: BLE001 - a model validator's own refusal (VLLMValidationError)
+            return compat.error_answer(e, Answer)
+        try:
+            result = await handler.call(request, raw_request)
+        except (LoractlError, asyncio.CancelledError):
+            raise   # loractl's own refusals (a broken adapter, a draining daemon): the door's to answer
+        except Exception as e:  # noqa: BLE001 - answered as vLLM's server answers it
+            if not isinstance(e, ValueError) and type(e).__name__ != "VLLMValidationError":
+                _log.error("vLLM's %s handler failed", route, exc_info=e)
+            return compat.error_answer(e, Answer)
         return compat.serving_answer(result, Answer)

@@ -25,8 +25,10 @@ _PLAIN = ("min_tokens", "temperature", "top_p", "seed", "min_p", "presence_penal
 _STRUCTURED = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
+def _text(error: Exception) -> str:
+    """vLLM's whole message (InvalidRequest folds it onto one line): a grammar compiler's
+    reason comes on the lines after its first."""
+    return str(error).strip() or type(error).__name__
 
 
 def client_errors() -> tuple[type[Exception], ...]:
@@ -103,32 +105,43 @@ def refused_field(error: Exception, sampling: Sampling) -> str | None:
 def refusal(error: Exception, sampling: Sampling, what: str = "the engine refused the request") -> InvalidRequest:
     """vLLM's refusal of ``sampling`` as one line that names the field, with a hint."""
     name = refused_field(error, sampling)
-    message = _first_line(error)
+    message = _text(error)
     if name is None:
         return InvalidRequest(f"{what}: {message}", "Check the prompt's tokens and the sampling parameters.")
     hint = (f"Fix the {name} constraint, or leave it out." if name in _STRUCTURED
-            else f"Check {name} against vLLM's range for it (loractl run --help lists them).")
+            else f"Give {name} a value vLLM accepts (the message says which).")
     return InvalidRequest(f"invalid {name}: {message}", hint)
 
 
 def token_logprobs(logprobs: Any, token_ids: Any, top: int) -> list[TokenLogprob]:
     """One :class:`TokenLogprob` per token of ``token_ids`` from vLLM's sample logprobs of the
     same tokens (a ``FlatLogprobs``, or a list of {token id: Logprob}): the sampled token's
-    logprob and text, and the ``top`` most likely tokens, most likely first."""
+    logprob and text, and the ``top`` most likely tokens, most likely first.
+
+    A position lists the sampled token first, then the top ranks; where vLLM merged two
+    outputs of a stream (``RequestOutput.add``: a slow reader) a flat position went through a
+    dict, which keeps a token once. So the top tokens are taken by rank, not by place."""
     if logprobs is None:
         return []
-    starts = getattr(logprobs, "start_indices", None)
     out: list[TokenLogprob] = []
-    if starts is not None:  # FlatLogprobs: the sampled token first, then the top ranks in order
-        ids, values, texts, ends = logprobs.token_ids, logprobs.logprobs, logprobs.decoded_tokens, logprobs.end_indices
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: lists, no objects per token
+        ids, values, ranks, texts = logprobs.token_ids, logprobs.logprobs, logprobs.ranks, logprobs.decoded_tokens
         for position, token_id in enumerate(token_ids):
-            start, end = starts[position], ends[position]
+            start, end = starts[position], logprobs.end_indices[position]
+            best = {ids[i]: (ranks[i], values[i], texts[i]) for i in range(start, end)
+                    if ranks[i] is not None and ranks[i] <= top}
             out.append(TokenLogprob(token_id=token_id, logprob=values[start], text=texts[start] or "",
-                                    top=[(ids[i], values[i], texts[i] or "") for i in range(start + 1, end)]))
+                                    top=_ranked(best)))
         return out
     for token_id, position in zip(token_ids, logprobs):
         sampled = position[token_id]
-        ranked = sorted((p.rank, i, p) for i, p in position.items() if p.rank is not None and p.rank <= top)
+        best = {i: (p.rank, p.logprob, p.decoded_token) for i, p in position.items()
+                if p.rank is not None and p.rank <= top}
         out.append(TokenLogprob(token_id=token_id, logprob=sampled.logprob, text=sampled.decoded_token or "",
-                                top=[(i, p.logprob, p.decoded_token or "") for _, i, p in ranked]))
+                                top=_ranked(best)))
     return out
+
+
+def _ranked(best: dict[int, tuple[int, float, str | None]]) -> list[tuple[int, float, str]]:
+    return [(i, logprob, text or "") for i, (_, logprob, text) in sorted(best.items(), key=lambda item: item[1][0])]

@@ -3,7 +3,7 @@
 
 Invariants:
 - Every field maps to one of vLLM's ``SamplingParams`` fields (``to_sampling_params`` in
-  ``loractld.engine.client``); a door that cannot express a field leaves its neutral default,
+  ``loractld.engine.params``); a door that cannot express a field leaves its neutral default,
   and a door that receives a value it cannot map refuses it by name — nothing is dropped.
 - ``Structured`` holds at most one constraint, as vLLM's ``StructuredOutputsParams`` does.
 """
@@ -28,9 +28,9 @@ class Structured:
 
     def kinds(self) -> list[str]:
         """The constraints set, by name (more than one is refused)."""
-        return [name for name, value in (("json_schema", self.json_schema), ("json_object", self.json_object),
+        return [name for name, value in (("json_schema", self.json_schema), ("json_object", self.json_object or None),
                                          ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
-                if value]
+                if value is not None]   # an empty regex is a constraint vLLM accepts: never dropped
 
 
 @dataclass

@@ -9,6 +9,9 @@ Invariants:
   gate and engine as the gRPC and HTTP doors, so the same tokens come out.
 - A request the frontend stops (client gone, stop_generating) is aborted in the engine at once,
   even while it waits in the admission gate, and ends with ``finish_reason: "cancelled"``.
+- A request for ``n`` > 1 choices is prepared once and run as ``n`` generations (each through
+  the gate, choice i seeded seed + i as vLLM does), their chunks told apart by ``index``; one
+  choice's failure or the request's stop closes them all.
 - On shutdown the cards and the base model's registration are withdrawn before running work is
   drained, so the frontend stops routing here first; the runtime is shut down last.
 """
@@ -29,7 +32,7 @@ from loractld.api.dynamo.settings import DynamoSettings
 from loractld.events import Event
 
 if TYPE_CHECKING:
-    from loractld.core import Core, Delta
+    from loractld.core import Core, Delta, Prepared
 
 _log = logging.getLogger("loractld.dynamo")
 
@@ -157,21 +160,27 @@ class DynamoWorker:
     async def generate(self, request: dict[str, Any], context) -> AsyncIterator[dict[str, Any]]:
         try:
             lora = protocol.lora_name(request, self.core.base_model_names())
+            n = protocol.choices(request)
             defaults = await self.core.sampling_defaults()
             prepared = await self.core.prepare(protocol.generation_request(request, lora, defaults))
         except LoractlError as e:
             raise protocol.raised(e, self._exceptions) from e
-        prompt_tokens, produced = len(prepared.prompt_ids), 0
+        choices = protocol.copies(prepared, n)
+        prompt_tokens, produced, running = len(prepared.prompt_ids), 0, set(range(n))
         try:
-            async for delta in _until_stopped(self.core.run(prepared), context):
+            async for index, delta in _until_stopped(_merged(self.core, choices), context):
                 produced += len(delta.token_ids)
-                yield protocol.chunk(delta, prompt_tokens, produced)
+                if delta.finish_reason:
+                    running.discard(index)
+                yield protocol.chunk(delta, prompt_tokens, produced, index)
         except _Stopped:
-            yield protocol.cancelled(prompt_tokens, produced)
+            for index in sorted(running):
+                yield protocol.cancelled(prompt_tokens, produced, index)
         except LoractlError as e:
             if produced == 0:
                 raise protocol.raised(e, self._exceptions) from e
-            yield protocol.failed(e)
+            for index in sorted(running):
+                yield protocol.failed(e, index)
 
     # -- leaving --------------------------------------------------------------------------
     async def leave(self) -> None:
@@ -207,7 +216,42 @@ class _Stopped(Exception):
     """The frontend stopped the request (its client went away, or stop_generating)."""
 
 
-async def _until_stopped(deltas: AsyncIterator[Delta], context) -> AsyncIterator[Delta]:
+async def _merged(core: Core, choices: list[Prepared]) -> AsyncIterator[tuple[int, Delta]]:
+    """``(index, delta)`` of every choice as they come, until each has ended; the first failure
+    is raised. Closing it closes every choice (an abort in the engine)."""
+    if len(choices) == 1:
+        async with contextlib.aclosing(core.run(choices[0])) as deltas:
+            async for delta in deltas:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prepared: Prepared) -> None:
+        try:
+            async with contextlib.aclosing(core.run(prepared)) as deltas:
+                async for delta in deltas:
+                    queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as e:  # noqa: BLE001 - raised to the request by the reader below
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(choices)]
+    try:
+        for _ in range(len(choices)):
+            while True:
+                index, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_stopped(deltas: AsyncIterator, context) -> AsyncIterator:
     """``deltas`` until they end or ``context`` is stopped or killed; then the generation is
     closed (an abort in the engine, a place freed in the gate) and :class:`_Stopped` raised."""
     stopped = asyncio.ensure_future(context.async_killed_or_stopped())

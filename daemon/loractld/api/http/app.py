@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from loractl import __version__
 from loractl.errors import LoractlError
-from loractld.api import audit
+from loractld.api import audit, ollama
 from loractld.api.http import models
 from loractld.api.http.errors import HttpError, error_response, from_domain
 from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, json_body, parse
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("loractld.http")
 _OPEN_PATHS = {"/health"}
-GENERATION_PATHS = set(ROUTES)   # generation and tokenization: no state changes
-_OPERATIONS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "evict"}
+GENERATION_PATHS = set(ROUTES) | ollama.ONLY_READ_OR_GENERATE   # no state changes
+_OPERATIONS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "evict", **ollama.OPERATIONS}
 PEER_UID = "loractl.peer_uid"   # the scope key the guard leaves the caller's uid under
 
 
@@ -142,7 +142,8 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "See the daemon's log.",
                               code="internal")
 
-    return Guard(app, api_key=settings.api_key, socket_gid=socket_gid)
+    ollama.register(app, core, settings, openai=serving)   # Ollama's API beside OpenAI's, as Ollama serves both
+    return ollama.wrap(Guard(app, api_key=settings.api_key, socket_gid=socket_gid))
 
 
 async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:

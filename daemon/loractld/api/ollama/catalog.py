@@ -56,6 +56,8 @@ def read_base_facts(folder: str, shapes: dict | None) -> BaseFacts:
     template = tokenizer.get("chat_template") or ""
     if not isinstance(template, str):   # a list of named templates: the default one
         template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+    if not template and (path / "chat_template.jinja").is_file():   # where newer transformers save it
+        template = (path / "chat_template.jinja").read_text()
     return BaseFacts(family=str(config.get("model_type") or ""), parameters=_count(shapes),
                      size=sum(p.stat().st_size for p in weights), template=template,
                      modified=max((p.stat().st_mtime for p in weights), default=0.0))
@@ -152,7 +154,15 @@ class Catalog:
             models.append(entry)
         return {"models": models}
 
-    async def show(self, adapter: AdapterView | None, capabilities: list[str]) -> dict:
+    def capabilities(self) -> list[str]:
+        """``completion``, and ``tools`` when the model may call tools on its own (Ollama's
+        tools have no ``tool_choice``: vLLM's ``--enable-auto-tool-choice`` and a parser)."""
+        engine = self.core.engine
+        served = getattr(engine.settings, "openai", None) if engine is not None else None
+        tools = bool(getattr(served, "enable_auto_tool_choice", False) and getattr(served, "tool_call_parser", None))
+        return ["completion"] + (["tools"] if tools else [])
+
+    async def show(self, adapter: AdapterView | None) -> dict:
         facts = await self.facts()
         engine = self.core.engine
         template = (getattr(engine.settings, "chat_template", None) if engine is not None else None) or facts.template
@@ -177,7 +187,7 @@ class Catalog:
             (f'TEMPLATE """{template}"""\n' if template else "")
         modified = adapter.pulled_at if adapter is not None else (facts.modified or self.core.started_wall)
         return {"license": "", "modelfile": modelfile, "parameters": lines, "template": template,
-                "details": self.details(facts, adapter), "model_info": info, "capabilities": capabilities,
+                "details": self.details(facts, adapter), "model_info": info, "capabilities": self.capabilities(),
                 "modified_at": iso(modified)}
 
     def _base_digest(self) -> str:

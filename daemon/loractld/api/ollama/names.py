@@ -18,6 +18,7 @@ Every name ``/api/tags`` lists resolves back to the model it lists (tests/test_o
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from loractl.errors import InvalidRequest
@@ -45,13 +46,15 @@ def base_listed_name(served_name: str) -> str:
     return served_name if ":" in served_name.rsplit("/", 1)[-1] else f"{served_name}:{LATEST}"
 
 
-def resolve(name: str, base_names: set[str], stored: set[str]) -> Target | None:
-    """The model ``name`` means, or None when it means none of them."""
+def resolve(name: str, base_names: Container[str], is_stored: Callable[[str], bool]) -> Target | None:
+    """The model ``name`` means, or None when it means none of them (``is_stored``: whether the
+    store holds an adapter of that name)."""
+    if not isinstance(name, str):
+        return None
     if name in base_names or (name.endswith(f":{LATEST}") and name[:-len(LATEST) - 1] in base_names):
         return Target(None)
-    wanted = name.strip().lower()
-    for candidate in candidates(wanted):
-        if candidate in stored:
+    for candidate in candidates(name.strip().lower()):
+        if is_stored(candidate):
             return Target(candidate)
     return None
 

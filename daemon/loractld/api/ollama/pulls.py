@@ -37,7 +37,7 @@ async def pull_ref(core: Core, name: str) -> tuple[str, str, str]:
     if os.path.isabs(name) or name.startswith("hf://"):
         return name, "", ""
     adapters = await core.list_adapters()
-    target = resolve(name, core.base_model_names(), {a.name for a in adapters})
+    target = resolve(name, core.base_model_names(), {a.name for a in adapters}.__contains__)
     if target is not None and target.adapter is None:
         raise refusal(f"{name!r} is the base model: it is loaded when the daemon starts",
                       "Pull an adapter (hf.co/ORG/REPO), or restart loractld with another --model.", param="model")
