@@ -189,7 +189,7 @@ def test_the_fuzzer_can_see_a_failure(web, before):
     """Guards the properties above: refusals are 4xx in the error schema with one-line fields,
     not waved through as successes."""
     _, client = web
-    for reply in (client.post("/v1/completions", json={**PROBE, "max_tokens": "4"}),
+    for reply in (client.post("/v1/completions", json={**PROBE, "max_tokens": "four"}),
                   client.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}),
                   client.get("/v1/models/no-such/v9")):
         assert 400 <= reply.status_code < 500, reply.text

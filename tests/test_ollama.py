@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from datetime import datetime
@@ -290,6 +291,11 @@ def test_a_keyless_stranger_may_list_but_not_pin_pull_or_delete(api):
             ("POST", "/api/pull", {"model": "hf.co/acme/x"}), ("DELETE", "/api/delete", {"model": "sql-expert:v1"})]:
         status, text = curl(method, path, body)
         assert status == 403 and "may not" in json.loads(text)["error"], (path, status, text)
+    log = api.daemon.log.read_text(errors="replace")
+    for operation, target in [("pin", "sql-expert/v1"), ("evict", "sql-expert/v1"), ("pull", "(request not read)"),
+                              ("rm", "(request not read)")]:   # each refusal audited, with the stranger's uid
+        line = rf"audit uid=65534 http=127\.0\.0\.1:\d+ op={operation} target={re.escape(target)} result=denied"
+        assert re.search(line, log), (operation, log[-2000:])
     assert "sql-expert:v1" in {m.model for m in client(api).list().models}   # the stranger changed nothing
     assert not any(m.model == "sql-expert:v1" and m.expires_at and m.expires_at.year == 9999
                    for m in client(api).ps().models)

@@ -75,7 +75,7 @@ def test_keyless_http_changes_state_only_for_whom_the_socket_would(caplog):
             "nobody other post": await curl(*post, f"{url}/v1/models", user=NOBODY),
             "nobody list": await curl(f"{url}/version", user=NOBODY),
             "nobody generate": await curl("-H", "Content-Type: application/json", "-d", '{"model":"demo","prompt":"a",'
-                                          '"n":99}', f"{url}/v1/completions", user=NOBODY),
+                                          '"n":999}', f"{url}/v1/completions", user=NOBODY),
             "root unload": await curl("-H", "Content-Type: application/json", "-d", '{"lora_name": "x"}',
                                       f"{url}/v1/unload_lora_adapter", timeout_s=2),
         }
@@ -88,7 +88,7 @@ def test_keyless_http_changes_state_only_for_whom_the_socket_would(caplog):
         assert answer["error"]["message"].startswith("uid 65534 may not") and "\n" not in answer["error"]["message"]
         assert "--api-key-file" in answer["error"]["hint"] and answer["error"]["type"] == "permission_error"
     assert got["nobody list"][0] == 200
-    assert got["nobody generate"][0] == 400  # reaches the request checks (n over 16): not a 403
+    assert got["nobody generate"][0] == 400  # reaches the request checks (n over the cap): not a 403
     assert got["root unload"][0] == 0        # past the guard: waits for the engine-less core
     audit = [r.getMessage() for r in caplog.records if r.name == "loractld.audit"]
     assert any(line.startswith("audit uid=65534 http=127.0.0.1:") and "op=load" in line and line.endswith("denied")

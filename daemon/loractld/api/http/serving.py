@@ -118,15 +118,15 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def generations(route: str, body: dict) -> int:
-    """How many generations a request asks for: prompts x ``n`` (a value of the wrong type
-    counts as 1 here: vLLM's validation refuses it)."""
+def generations(route: str, body: dict) -> tuple[int, int]:
+    """How many prompts and how many choices (``n``) each a request asks for (a value of the
+    wrong type counts as 1 here: vLLM's validation refuses it)."""
     n = body.get("n")
-    count = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
     prompt = body.get("prompt") if route == "completion" else None
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        count *= len(prompt)
-    return count
+        return len(prompt), n
+    return 1, n
 
 
 class Serving:
@@ -161,6 +161,17 @@ class Serving:
         the answer is sent; raises :class:`HttpError` for what loractl refuses itself."""
         if not isinstance(body, dict):
             raise HttpError(400, "the request body must be a JSON object", "Send a JSON object.", code="invalid_body")
+        prompts, n = generations(route, body)
+        if prompts * n > self.max_choices:
+            # One HTTP request counts once against --http-max-concurrency: this bounds what it holds.
+            raise HttpError(400, f"{prompts} prompt(s) x n={n} asks for {prompts * n} generations, over this "
+                                 f"daemon's limit of {self.max_choices} per request",
+                            "Split the prompts over several requests, or raise loractld --http-max-choices.",
+                            param="prompt" if prompts > 1 else "n", code="too_many_choices")
+        model = body.get("model") or ""
+        if not isinstance(model, str):
+            raise HttpError(400, "model must be a string", "Name the base model or a stored adapter.", param="model",
+                            code="invalid_value")
         surface = await self.core.openai_surface()
         known = surface.fields(route)
         unknown = sorted(set(body) - known)
@@ -171,17 +182,6 @@ class Serving:
                             f"Did you mean {close[0]!r}?" if close else
                             "See vLLM's OpenAI API reference for this endpoint's fields.",
                             param=unknown[0], code="unknown_field")
-        asked = generations(route, body)
-        if asked > self.max_choices:
-            # One HTTP request counts once against --http-max-concurrency: this bounds what it holds.
-            raise HttpError(400, f"the request asks for {asked} generations (prompts x n), over this daemon's "
-                                 f"limit of {self.max_choices} per request",
-                            "Split the prompts over several requests, or raise loractld --http-max-choices.",
-                            param="n", code="too_many_choices")
-        model = body.get("model") or ""
-        if not isinstance(model, str):
-            raise HttpError(400, "model must be a string", "Name the base model or a stored adapter.", param="model",
-                            code="invalid_value")
         self.limiter.acquire()
         held = Held(self.limiter.release)
         try:
