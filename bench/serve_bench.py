@@ -140,6 +140,13 @@ class ServerSystem:
         await self.client.close()
 
 
+class LoractlHttpSystem(ServerSystem):
+    """loractld's ``--http`` door (vLLM's serving classes over loractl's core), driven exactly
+    as the server is: adapters by their store names, the base model by its served name."""
+
+    name = "loractl-http"
+
+
 class AsyncLLMSystem:
     name = "asyncllm"
 
@@ -394,7 +401,8 @@ def main() -> None:
     p.add_argument("--streams", default="1,8,32,64")
     p.add_argument("--workloads", default="base,one,zipf")
     p.add_argument("--systems", default="loractl,server,asyncllm",
-                   help="also loractl-generate: the same daemon driven with a Generate stream per request")
+                   help="also loractl-generate: the same daemon driven with a Generate stream per request; "
+                        "loractl-http: the same daemon through its --http door, driven as the server is")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--interleaved", type=int, default=100,
                    help="requests per system in the one-stream interleaved TTFT comparison")
@@ -417,7 +425,11 @@ def main() -> None:
     daemon = server = None
     try:
         extra = ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
-        daemon = _setup.Daemon(model, args, home, extra) if {"loractl", "loractl-generate"} & set(wanted) else None
+        http_port = free_port() if "loractl-http" in wanted else None
+        if http_port:
+            extra += ["--http", f"127.0.0.1:{http_port}"]
+        daemon = _setup.Daemon(model, args, home, extra) \
+            if {"loractl", "loractl-generate", "loractl-http"} & set(wanted) else None
         server = start_server(model, [n.replace("/", "-") for n in names], paths, args, work / "server.log") \
             if "server" in wanted else None
 
@@ -432,6 +444,9 @@ def main() -> None:
                             pass
                 for stream_per_request in [False] * ("loractl" in wanted) + [True] * ("loractl-generate" in wanted):
                     systems.append(LoractlSystem(daemon.socket, names, stream_per_request=stream_per_request))
+                    systems[-1].frontend_pid = daemon.proc.pid
+                if http_port:
+                    systems.append(LoractlHttpSystem(http_port, model, names))
                     systems[-1].frontend_pid = daemon.proc.pid
             if server:
                 systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
@@ -458,6 +473,8 @@ def main() -> None:
     if "loractl" in wanted:
         report["ratios"] = {f"loractl_over_{baseline}": ratios(report["rounds"], "loractl", baseline)
                             for baseline in ("server", "asyncllm", "loractl-generate") if baseline in wanted}
+    if {"loractl-http", "server"} <= set(wanted):
+        report.setdefault("ratios", {})["loractl-http_over_server"] = ratios(report["rounds"], "loractl-http", "server")
     if {"loractl", "server", "asyncllm"} <= set(wanted):
         report["markdown"] = markdown(report)
         print(report["markdown"], file=sys.stderr)

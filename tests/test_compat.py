@@ -84,3 +84,35 @@ def test_the_install_self_check_starts_the_engine_with_a_lora():
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "selfcheck: vllm 0.32.0 on cpu" in result.stdout and result.stdout.rstrip().endswith(": ok")
+
+
+def test_the_serving_seam_builds_every_class_of_the_installed_vllm():
+    """Every vLLM serving class the HTTP door uses imports from where the seam says, and takes
+    the arguments loractl offers with none left missing (a release that adds a required one
+    fails here, by name, not at a user's first request)."""
+    import importlib
+    import inspect
+
+    from loractld.engine.openai_serving import ServeOptions
+
+    offered = dict(engine_client=None, models=None, request_logger=None, chat_template=None, online_renderer=None,
+                   **{name: None for name in ("chat_template_content_format", "response_role", "tool_parser",
+                                              "reasoning_parser", "enable_auto_tools", "tool_server")})
+    for route, (module, name, method, protocol, request) in compat._SERVING_CLASSES.items():
+        cls = getattr(importlib.import_module(module), name)
+        assert callable(getattr(cls, method)), (route, method)
+        assert getattr(importlib.import_module(protocol), request) is not None
+        kwargs = compat.serving_kwargs(cls, offered)
+        assert set(kwargs) <= set(inspect.signature(cls.__init__).parameters)
+    assert ServeOptions().chat_template_kwargs() is None
+
+
+def test_the_serving_seam_names_a_required_argument_it_does_not_know():
+    class Future:
+        def __init__(self, engine_client, *, hologram_renderer, request_logger=None):
+            pass
+
+    with pytest.raises(EngineUnavailable, match="hologram_renderer"):
+        compat.serving_kwargs(Future, {"engine_client": 1, "request_logger": None, "extra": 2})
+    assert compat.serving_kwargs(Future, {"engine_client": 1, "hologram_renderer": 2, "extra": 3}) == \
+        {"engine_client": 1, "hologram_renderer": 2}
