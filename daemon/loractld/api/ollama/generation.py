@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from loractld.api.http.errors import HttpError
 from loractld.api.ollama.errors import line
 from loractld.api.ollama.names import Target, listed_name, resolve
-from loractld.api.ollama.options import KeepAlive, parse_keep_alive, refusal
+from loractld.api.ollama.options import KeepAlive, in_ollamas_words, parse_keep_alive, refusal
 from loractld.api.ollama.residency import KeepAliveEffect
 from loractld.api.ollama.translate import Clock, Stream, answer, chat_body, empty, generate_body
 
@@ -105,7 +105,10 @@ class Generation:
     async def _run(self, kind: str, name: str, method: str, body: dict, effect: KeepAliveEffect, clock: Clock,
                    request: Request) -> Response:
         await effect.before()
-        result = await self._door(method)(body, request)
+        try:
+            result = await self._door(method)(body, request)
+        except HttpError as e:
+            raise in_ollamas_words(e) from None
         if isinstance(result, dict):
             out = answer(kind, name, result, clock)
             await effect.after()

@@ -25,6 +25,9 @@ from loractld.api.http.errors import HttpError
 MAPPED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
           "stop": "stop", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
           "frequency_penalty": "frequency_penalty"}
+# The OpenAI door's words for what Ollama's request said otherwise (its refusals name them).
+OLLAMA_WORDS = {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
+                "response_format": "format"}
 # Options whose value turns a feature off: accepted with that value only.
 NEUTRAL = {"mirostat": (0,), "tfs_z": (1.0,), "typical_p": (1.0,), "repeat_last_n": (-1,), "penalize_newline": (False,),
            "numa": (False,), "low_vram": (False,), "vocab_only": (False,), "embedding_only": (False,),
@@ -38,6 +41,14 @@ ENGINE_FLAGS_HINT = ("loractl's engine is configured when loractld starts (see l
 
 def refusal(message: str, hint: str, *, status: int = 400, param: str | None = None) -> HttpError:
     return HttpError(status, message, hint, param=param, code="unsupported_option" if param else "invalid_request")
+
+
+def in_ollamas_words(error: HttpError) -> HttpError:
+    """A refusal of the OpenAI door naming, beside its own field, the Ollama field it came from."""
+    named = [ours for theirs, ours in OLLAMA_WORDS.items() if theirs in error.message or error.param == theirs]
+    if named:
+        error.message += f" (Ollama's {', '.join(named)})"
+    return error
 
 
 def map_options(options: Any, context: int | None) -> dict:

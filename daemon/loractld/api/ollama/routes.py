@@ -20,6 +20,7 @@ from loractl import __version__
 from loractld.api.http.app import PEER_UID, read_body
 from loractld.api.http.protocol import json_body
 from loractld.api.ollama.catalog import Catalog
+from loractld.api.ollama.dicts import DictDoor
 from loractld.api.ollama.errors import line
 from loractld.api.ollama.generation import NDJSON, Generation, OpenAIDoor, not_found
 from loractld.api.ollama.names import resolve
@@ -40,6 +41,8 @@ _OWNER_HINT = ("Send the daemon's API key (--api-key-file), or call as root, the
 def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAIDoor | None) -> None:
     catalog = Catalog(core)
     key_required = settings.api_key is not None
+    if openai is not None and not hasattr(openai, "chat_dict"):
+        openai = DictDoor(openai)   # the door's Serving: its answers read as dicts
 
     async def caller(request: Request) -> policy.Caller:
         return await caller_of(request, key_required, PEER_UID)

@@ -84,6 +84,8 @@ def generate_body(request: dict, model: str, context: int | None) -> tuple[str, 
         if system:
             raise refusal("system is not used with raw: true (the prompt is sent as is)",
                           "Put the system text into the prompt, or leave raw out.", param="system")
+        if body.pop("logprobs", False):   # the completions API: logprobs is the number of top ones
+            body["logprobs"] = body.pop("top_logprobs", 0)
         return "completion", {**body, "prompt": prompt}
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     return "chat", {**body, "messages": messages}
