@@ -392,7 +392,7 @@ def vllm_server(home: Path, oracle_rig) -> VllmServer:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = home / "vllm-server.log"
+    log = Path(os.environ.get("LORACTL_TEST_VLLM_SERVER_LOG") or home / "vllm-server.log")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(home / "tiny" / "model"),
            "--served-model-name", model, "--host", "127.0.0.1", "--port", str(port), "--enable-lora",
            "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "16", "--max-model-len", str(RIG_CONTEXT),

@@ -277,11 +277,17 @@ def test_keep_alive_zero_evicts_and_minus_one_pins(api):
     assert "python-expert:v1" in ps()   # used: in the engine
     client(api).chat("python-expert:v1", messages=[{"role": "user", "content": "hi"}], options=options, keep_alive=0)
     assert "python-expert:v1" not in ps()
+    # The rig is shared: a pin another test left would take the one host pin it allows.
+    others = [(a["name"], a["pin"]) for a in json.loads(api.ok("ls", "--json").stdout) if a["pinned"]]
+    for name, _ in others:
+        api.ok("unpin", name)
     try:
         client(api).generate("python-expert:v1", "hi", options=options, keep_alive=-1)
         assert ps()["python-expert:v1"].expires_at.year == 9999
     finally:
-        api.ok("unpin", "python-expert/v1")
+        api.cli("unpin", "python-expert/v1")
+        for name, tier in others:
+            api.ok("pin", name, "--to", tier or "host")
     assert client(api).generate("python-expert:v1", keep_alive=0).done_reason == "unload"
     assert "python-expert:v1" not in ps()
 
