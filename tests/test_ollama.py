@@ -278,9 +278,12 @@ def test_keep_alive_zero_evicts_and_minus_one_pins(api):
     client(api).chat("python-expert:v1", messages=[{"role": "user", "content": "hi"}], options=options, keep_alive=0)
     assert "python-expert:v1" not in ps()
     # The rig is shared: a pin another test left would take the one host pin it allows.
-    others = [(a["name"], a["pin"]) for a in json.loads(api.ok("ls", "--json").stdout) if a["pinned"]]
-    for name, _ in others:
-        api.ok("unpin", name)
+    # ``pinned`` in the listing is the weights' (names with the same bytes share it): unpin what
+    # unpins, and put back exactly those.
+    others = []
+    for a in json.loads(api.ok("ls", "--json").stdout):
+        if a["pinned"] and api.cli("unpin", a["name"]).returncode == 0:
+            others.append((a["name"], a["pin"]))
     try:
         client(api).generate("python-expert:v1", "hi", options=options, keep_alive=-1)
         assert ps()["python-expert:v1"].expires_at.year == 9999

@@ -213,8 +213,9 @@ def test_evict_from_host_of_a_name_whose_content_another_name_pinned_names_that_
         with pytest.raises(InvalidRequest, match="same content as 'a', which is pinned") as refused:
             await tiers.evict("b", "host")
         assert refused.value.hint == "To evict it, unpin that first: loractl unpin a"
-        with pytest.raises(InvalidRequest, match="'b' is not pinned"):
-            await tiers.unpin("b")
+        with pytest.raises(InvalidRequest, match="'b' is not pinned itself; its weights are pinned by 'a'") as not_b:
+            await tiers.unpin("b")   # ls shows b's weights pinned: the refusal says by whom
+        assert not_b.value.hint == "loractl unpin a releases them."
         assert_pins_agree(tiers)
         await tiers.unpin("a")
         assert (await tiers.evict("b", "host")).tier == "disk"

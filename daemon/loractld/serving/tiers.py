@@ -347,6 +347,10 @@ class Tiers:
         adapter = self.resolver.resolve(name)
         current = self.state.pin_of(name)
         if not current:
+            holders = sorted(n for n, i in self._pinned_ids.items() if i == adapter.engine_id and n != name)
+            if holders:   # the same bytes under another name: ls shows the weights pinned
+                raise InvalidRequest(f"{name!r} is not pinned itself; its weights are pinned by {holders[0]!r} "
+                                     "(the same content)", f"loractl unpin {holders[0]} releases them.")
             raise InvalidRequest(f"{name!r} is not pinned", "loractl ls shows which adapters are pinned.")
         claim = self.claims.take(name, "", current)
         return await self.to_the_end(self._commit_unpin(name, adapter.engine_id, claim))
