@@ -181,6 +181,13 @@ def write(report: dict, out: str | None) -> None:
         Path(out).write_text(text + "\n")
 
 
+def write_quietly(report: dict, out: str | None) -> None:
+    """``write`` without printing: a partial report, kept as a long run goes on."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+
+
 def machine() -> dict:
     import platform
 

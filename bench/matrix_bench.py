@@ -160,7 +160,7 @@ async def run(system, spec: dict, seed: int) -> dict:
         await asyncio.sleep(2.0)  # what was cancelled leaves the engine
         if not samples:
             return {"requests": 0, "tokens_per_s": 0.0, "timed_out": True, "unfinished": spec["requests"],
-                    "wall_s": round(wall, 3), **{f: None for f in ("ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")}}
+                    "wall_s": round(wall, 3), **{f: None for f in ("ttft_p50_ms", "ttft_p99_ms", "ttft_p999_ms", "ttft_max_ms")}}
         return {**figures(samples, wall), "timed_out": True, "unfinished": spec["requests"] - len(samples)}
     return figures(samples, time.perf_counter() - began)
 
@@ -178,7 +178,9 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-async def run_configuration(systems: list, cells: list[dict], args, results: dict) -> None:
+async def run_configuration(systems: list, cells: list[dict], args, results: dict, seed: int | None = None) -> None:
+    """Per round and cell, every system back to back, the order rotated; the request sequence is
+    drawn from ``seed`` (default 1000 + the cell's index), the same every round."""
     for round_no in range(args.rounds):
         for index, spec in enumerate(cells):
             turn = (round_no + index) % len(systems)
@@ -189,7 +191,7 @@ async def run_configuration(systems: list, cells: list[dict], args, results: dic
                     await asyncio.sleep(1.0)  # the job is spinning before the first system runs
                 entry = {"round": round_no, "order": [s.name for s in order], "load_average_before": load_average()}
                 for system in order:
-                    result = await run(system, spec, seed=1000 + index)  # the same sequence every round
+                    result = await run(system, spec, seed=1000 + index if seed is None else seed)
                     if isinstance(system, PolicySystem):
                         await asyncio.sleep(0.3)  # the last WAITED_FOR_SLOT event reaches the watcher
                         result["longest_gate_wait_ms"] = round(system.take_longest_wait() * 1000, 1)

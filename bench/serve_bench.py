@@ -237,6 +237,7 @@ def figures(samples: list[Sample], wall: float) -> dict:
     itls = [s.itl for s in samples if s.itl is not None]
     return {"requests": len(samples), "tokens_per_s": round(sum(s.tokens for s in samples) / wall, 1),
             "ttft_p50_ms": _ms(statistics.median(ttfts)), "ttft_p99_ms": _ms(_setup.percentile(ttfts, 0.99)),
+            "ttft_p999_ms": _ms(_setup.percentile(ttfts, 0.999)),
             "ttft_max_ms": _ms(max(ttfts)), "itl_p50_ms": _ms(statistics.median(itls)) if itls else None,
             "wall_s": round(wall, 3)}
 
