@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402
-from matrix_bench import SYSTEMS, run_configuration  # noqa: E402
-from thrash_bench import POLICIES, connect, launched  # noqa: E402
+from matrix_bench import run_configuration  # noqa: E402
+from thrash_bench import connect, launched  # noqa: E402
 
 DRAW_SEED = 4040
 DRAWN = 10
@@ -50,6 +50,17 @@ HELD_OUT = [
                     "zipf": 1.1}),
     ("held-out-3", {"adapters": 10, "max_loras": 2, "max_cpu_loras": 4, "clients": 24, "requests": 24 * 8,
                     "zipf": 0.8}),
+]
+# Shapes the rule was chosen on (not drawn, not held out): run with --shapes train-a,train-b.
+TRAIN = [
+    ("train-a", {"adapters": 12, "max_loras": 2, "max_cpu_loras": 4, "clients": 24, "requests": 144, "zipf": 0.9,
+                 "tokens": 48, "arrival": "closed"}),
+    ("train-b", {"adapters": 8, "max_loras": 1, "max_cpu_loras": 3, "clients": 16, "requests": 160, "zipf": 1.2,
+                 "tokens": 32, "arrival": "closed"}),
+    ("train-c", {"adapters": 5, "max_loras": 2, "max_cpu_loras": 3, "clients": 12, "requests": 192, "zipf": 1.2,
+                 "tokens": 32, "arrival": "closed"}),
+    ("train-d", {"adapters": 4, "max_loras": 2, "max_cpu_loras": 4, "clients": 16, "requests": 160, "zipf": 0.7,
+                 "tokens": 24, "arrival": "closed"}),
 ]
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p999_ms")
 
@@ -82,7 +93,10 @@ def drawn_shapes(seed: int = DRAW_SEED, count: int = DRAWN) -> list[dict]:
 def specs(args) -> list[dict]:
     out = []
     held = [(n, {"tokens": 32, "arrival": "closed", **s}) for n, s in HELD_OUT]
-    for index, (name, shape) in enumerate(drawn_shapes(args.draw_seed, args.drawn) + held):
+    every = drawn_shapes(args.draw_seed, args.drawn) + held
+    if args.shapes and "train" in args.shapes:
+        every += TRAIN
+    for index, (name, shape) in enumerate(every):
         if args.shapes and name not in args.shapes.split(","):
             continue
         out.append({"name": name, "index": index, "cpu_job": None, "omp_threads": None, **shape,
@@ -139,11 +153,12 @@ def summarise(results: dict) -> None:
         rounds = entry["rounds"]
         if not rounds or not all("server" in r for r in rounds):
             continue
-        entry["ratios"] = {p: ratios(rounds, p) for p in POLICIES if all(p in r for r in rounds)}
+        systems = [s for s in rounds[0] if isinstance(rounds[0][s], dict)]
+        entry["ratios"] = {p: ratios(rounds, p) for p in systems if p != "server" and all(p in r for r in rounds)}
         entry["medians"] = {s: {f: statistics.median(r[s][f] for r in rounds if r[s].get(f) is not None)
                                 for f in (*FIGURES, "ttft_max_ms") if any(r[s].get(f) is not None for r in rounds)}
-                            for s in SYSTEMS if all(s in r for r in rounds)}
-        entry["timed_out"] = sorted({s for r in rounds for s in SYSTEMS if r.get(s, {}).get("timed_out")})
+                            for s in systems if all(s in r for r in rounds)}
+        entry["timed_out"] = sorted({s for r in rounds for s in systems if r.get(s, {}).get("timed_out")})
 
 
 def main() -> None:
@@ -157,7 +172,8 @@ def main() -> None:
     p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--run-timeout", type=float, default=60.0)
-    p.add_argument("--systems", default="measured,batching,server", help=f"of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default="measured,batching,server",
+                   help="loractl policies (POLICY@WAIT: with that --admission-max-wait) and server")
     p.add_argument("--print-shapes", action="store_true")
     p.add_argument("--workdir")
     p.add_argument("--out")

@@ -20,7 +20,7 @@ on two cores (``VLLM_CPU_OMP_THREADS_BIND=auto``), every engine here alike; the 
 float. ``cpu-job@core0`` pins the job to the engines' core, ``cpu-job@core1`` to the other.
 
 Cells are grouped by engine configuration (``max_loras``, ``max_cpu_loras``): per group the two
-daemons (``--admission batching``, the default, and ``first-come``) and the server
+daemons (``--admission measured``, the default, and ``first-come``; ``--systems`` for others) and the server
 (``python -m vllm.entrypoints.openai.api_server``, same engine and LoRA flags) start once, side
 by side, and stop after. Per round and cell the three systems run back to back (the others
 idle), the order rotated per cell and round; the load average (``os.getloadavg``, what
@@ -195,6 +195,9 @@ async def run_configuration(systems: list, cells: list[dict], args, results: dic
                     if isinstance(system, PolicySystem):
                         await asyncio.sleep(0.3)  # the last WAITED_FOR_SLOT event reaches the watcher
                         result["longest_gate_wait_ms"] = round(system.take_longest_wait() * 1000, 1)
+                        gate = (await system.client.status())["admission"]   # what the rule decided from
+                        result["gate_ms"] = {name: round(float(gate.get(k, 0.0)) * 1000, 1) for name, k in (
+                            ("bound", "max_wait_s"), ("handover", "handover_s"), ("service", "service_s"))}
                     entry[system.name] = result
                     print(f"round {round_no} {spec['name']:26s} {system.name:10s} {result}", file=sys.stderr,
                           flush=True)
@@ -250,20 +253,22 @@ def markdown(results: dict) -> str:
         v = r.get(figure)
         return f"{v['median']:.2f} ({v['min']:.2f}–{v['max']:.2f})" if v else "—"
 
+    ran = {p for e in results.values() for p in e.get("ratios", {})}
+    lead = next((p for p in ("measured", "batching") if p in ran), "batching")   # the default, where it ran
     every = " / ".join(SYSTEMS)   # the absolute columns list every system, "—" where one did not run
-    lines = ["| cell | batching tok/s ×server | batching TTFT p50 ×server | batching TTFT p99 ×server | "
+    lines = [f"| cell | {lead} tok/s ×server | {lead} TTFT p50 ×server | {lead} TTFT p99 ×server | "
              f"first-come tok/s ×server | first-come TTFT p99 ×server | tok/s {every} | "
-             f"TTFT p99 ms {every} | load avg (1 min) | batching loses? |",
+             f"TTFT p99 ms {every} | load avg (1 min) | {lead} loses? |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in results.items():
-        if "batching" not in entry.get("ratios", {}) or "server" not in entry.get("medians", {}):
+        if lead not in entry.get("ratios", {}) or "server" not in entry.get("medians", {}):
             continue
-        b, f, m = entry["ratios"]["batching"], entry["ratios"].get("first-come", {}), entry["medians"]
+        b, f, m = entry["ratios"][lead], entry["ratios"].get("first-come", {}), entry["medians"]
         absolute = " / ".join(f"{m[s]['tokens_per_s']:.0f}" if s in m else "—" for s in SYSTEMS)
         p99 = " / ".join(f"{m[s]['ttft_p99_ms']:.0f}" if "ttft_p99_ms" in m.get(s, {}) else "—" for s in SYSTEMS)
         loads = entry["load_average_1min"]
         load = f"{min(loads):.1f}–{max(loads):.1f}" if len(loads) > 1 else f"{loads[0]:.1f}"
-        lose = ", ".join(entry["verdict"]["batching"]) or "no"
+        lose = ", ".join(entry["verdict"][lead]) or "no"
         if entry["timed_out"]:
             lose += f" (cut short at {entry['spec']['timeout_s']:.0f} s: {', '.join(entry['timed_out'])})"
         lines.append(f"| {name} | {fmt(b, 'tokens_per_s')} | {fmt(b, 'ttft_p50_ms')} | {fmt(b, 'ttft_p99_ms')} | "
@@ -290,7 +295,7 @@ def main() -> None:
     p.add_argument("--run-timeout", type=float, default=30.0,
                    help="seconds one system may take over one cell; after it the run is cut short and marked")
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
-    p.add_argument("--systems", default="batching,first-come,server",
+    p.add_argument("--systems", default="measured,first-come,server",
                    help=f"of {','.join(SYSTEMS)} (adaptive: loractld --admission adaptive)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no engine configuration after this much wall time (its cells: skipped)")

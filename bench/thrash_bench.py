@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402
 from serve_bench import LoractlSystem, ServerSystem, cell, start_server, stop  # noqa: E402
 
-POLICIES = ("batching", "adaptive", "first-come")
+POLICIES = ("measured", "batching", "adaptive", "first-come")
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")
 
 
@@ -128,17 +128,19 @@ def launched(model: str, names: list[str], paths: list[Path], args, work: Path, 
     engine settings); yield ``(daemons, server)`` and stop them all after."""
     jobs = {}
     with ThreadPoolExecutor(4) as pool:
-        for policy in POLICIES:
-            if policy in wanted:
-                home = work / f"home-{policy}"
+        for system in wanted:
+            policy, _, wait = system.partition("@")   # "batching@0.02": that policy, that --admission-max-wait
+            if policy in POLICIES:
+                home = work / f"home-{system}"
                 shutil.rmtree(home, ignore_errors=True)
                 home.mkdir(parents=True)
                 extra = ["--admission", policy]
                 if args.max_num_seqs:
                     extra += ["--max-num-seqs", str(args.max_num_seqs)]
-                if policy in ("batching", "adaptive") and args.max_wait is not None:
-                    extra += ["--admission-max-wait", str(args.max_wait)]
-                jobs[policy] = pool.submit(_setup.Daemon, model, args, home, extra)
+                wait = wait or (str(args.max_wait) if args.max_wait is not None else "")
+                if policy != "first-come" and wait:
+                    extra += ["--admission-max-wait", wait]
+                jobs[system] = pool.submit(_setup.Daemon, model, args, home, extra)
         if "server" in wanted:
             jobs["server"] = pool.submit(start_server, model, server_names(names), paths, args, work / "server.log")
     started = {key: job.result() for key, job in jobs.items() if job.exception() is None}

@@ -295,3 +295,65 @@ def test_the_gate_refuses_nonsense():
         Gate(0, FirstCome())
     with pytest.raises(ValueError, match="unknown admission policy"):
         make_policy("lifo")
+
+
+def test_the_gate_measures_hand_overs_and_service_and_shows_each_adapters_oldest_wait():
+    """A turn's first request that waited: grant to first token is a hand-over; a request with a
+    first token: grant to end is its service. ``adapter_queues`` lists the longest-waiting
+    adapter first, with its oldest request's wait."""
+    async def go():
+        clock = Clock()
+        gate = checked(Gate(1, make_policy("measured", 1.0), clock=clock))
+        first = await arrive(gate, 1)
+        gate.first_token(first.result())                 # no wait, no hand-over: not a sample
+        second = await arrive(gate, 2)
+        clock.now = 0.4
+        third = await arrive(gate, 3)
+        clock.now = 1.0
+        assert [(q.label, q.running, q.queued, q.oldest_wait_s) for q in gate.adapter_queues()] == [
+            ("a2", 0, 1, 1.0), ("a3", 0, 1, pytest.approx(0.6)), ("a1", 1, 0, 0.0)]
+        gate.finish(first.result())
+        assert gate.measured.service_s == 1.0 and gate.measured.handover_s is None
+        await settle()
+        assert second.done() and second.result().opened_turn
+        clock.now = 1.05
+        gate.first_token(second.result())
+        gate.first_token(second.result())                # once only
+        assert gate.measured.handover_s == pytest.approx(0.05) and gate.measured.handovers == 1
+        assert gate.drain_s(2, clock.now) == pytest.approx(0.95)   # 1.0 of service, 0.05 run
+        assert gate.drain_s(3, clock.now) == 0.0         # nothing in the engine
+        gate.finish(second.result())
+        await settle()
+        gate.finish(third.result())
+    run(go())
+
+
+def test_measured_waits_as_long_as_a_hand_over_costs_and_breaks_closing_ties_by_the_drain():
+    """Before anything is measured, 'measured' is 'batching' (the max_wait_s bound). Once a
+    hand-over cost H was measured, a waiter starves after H. The adapter that closes has the
+    fewest requests in the engine, as in batching; between equals, the one whose requests end
+    first by the measured service time (batching: the oldest turn)."""
+    async def go():
+        clock = Clock()
+        policy = make_policy("measured", 1.0)
+        gate = checked(Gate(2, policy, clock=clock))
+        batching = checked(Gate(2, make_policy("batching", 1.0), clock=clock))
+        assert policy.bound() == 1.0
+        gate.measured.note("handover_s", 0.05)
+        gate.measured.note("service_s", 1.0)
+        assert policy.bound() == 0.05
+        for g in (gate, batching):
+            first = await arrive(g, 1)                  # adapter 1's turn begins at 0
+            clock.now = 0.1
+            await arrive(g, 2)                          # adapter 2's at 0.1
+            clock.now = 0.55
+            await arrive(g, 1)                          # adapter 1 takes a new request...
+            g.finish(first.result())                    # ...and its first one ends: one each
+            clock.now = 0.0
+        clock.now = 0.7
+        assert policy.closing(gate, clock.now) == 2     # 0.4 s left against 0.85 s
+        assert batching.policy.closing(batching, clock.now) == 1   # the oldest turn
+        waiter = await arrive(gate, 3)
+        clock.now = 0.76                                # waited 0.06 > H: adapter 2 closes
+        assert (await arrive(gate, 1)).done() and not (await arrive(gate, 2)).done() and not waiter.done()
+    run(go())

@@ -80,7 +80,7 @@ def test_top_overhead_bench_smoke():
     assert set(report["summary"]) >= {"top", "top-fast", "none_daemon_cpu_per_s"}
 
 
-# The floor for the CI guard on bench/matrix_bench.py --quick: loractl's default (batching)
+# The floor for the CI guard on bench/matrix_bench.py --quick: loractl's default (measured)
 # tokens/s over vLLM's server, per cell, in a one-round run. Measured on the 2-core CI kind of
 # machine: closed loop 1.91x on a quiet machine; open loop 1.0x (the arrival rate sets the
 # throughput while both keep up). Under a CPU-heavy neighbour loractl collapsed to 0.08-0.4x
@@ -102,9 +102,9 @@ def test_matrix_bench_quick_guard():
     assert set(report["cells"]) == {"quick-closed", "quick-open"}
     for name, cell in report["cells"].items():
         (only_round,) = cell["rounds"]
-        for system in ("batching", "first-come", "server"):
+        for system in ("measured", "first-come", "server"):
             assert only_round[system]["requests"] == cell["spec"]["requests"] and only_round[system]["tokens_per_s"] > 0
-        ratio = cell["ratios"]["batching"]["tokens_per_s"]["median"]
+        ratio = cell["ratios"]["measured"]["tokens_per_s"]["median"]
         assert ratio >= MATRIX_TOKENS_FLOOR, (name, ratio, only_round)
         assert len(only_round["load_average_before"]) == 3
     assert "| quick-closed |" in report["markdown"]

@@ -403,7 +403,7 @@ def test_ps_lists_requests_running_and_waiting(tiered):
             while (rows is None or table is None) and time.monotonic() < deadline:
                 if rows is None:
                     out = await asyncio.to_thread(run_cli, "ps", "--json", "--socket", str(tiered.socket))
-                    rows = json.loads(out.stdout) if '"queued"' in out.stdout else None
+                    rows = json.loads(out.stdout)["requests"] if '"queued"' in out.stdout else None
                 if table is None:
                     out = await asyncio.to_thread(run_cli, "ps", "--socket", str(tiered.socket), env={"COLUMNS": "120"})
                     table = out.stdout if "queued" in out.stdout else None

@@ -89,6 +89,10 @@ class Metrics:
         "loractl_admission_queue_depth": ("gauge", "Requests waiting at the admission gate for a device slot, "
                                                    "per adapter."),
         "loractl_admission_wait_seconds": ("histogram", "Time a request waited at the admission gate, per adapter."),
+        "loractl_admission_oldest_wait_seconds": ("gauge", "How long each adapter's oldest request waiting at the "
+                                                           "admission gate has waited (0: none waits)."),
+        "loractl_admission_measured_seconds": ("gauge", "What the gate measured: a hand-over (a turn's first request, "
+                                                        "grant to first token) and a request's service (grant to end)."),
     }
 
     def render(self) -> str:

@@ -105,13 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cpu-fixes", action="store_true",
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
     p.add_argument("--admission", choices=POLICIES, default=DEFAULT_POLICY,
-                   help="which waiting adapter gets a freed device slot: 'batching' drains a hot adapter's queue "
+                   help="which waiting adapter gets a freed device slot: 'measured' is batching whose hand-over bound "
+                        "is the measured hand-over cost and whose closing adapter is the one that drains first by the "
+                        "measured service time, 'batching' drains a hot adapter's queue "
                         "in one batch while bounding every wait (--admission-max-wait), 'adaptive' is batching with the bound "
-                        "lowered to the measured time a hand-over takes, 'first-come' admits in "
+                        "lowered to the measured drain, 'first-come' admits in "
                         f"arrival order (default: {DEFAULT_POLICY})")
     p.add_argument("--admission-max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="SECONDS",
-                   help="batching, adaptive (at most): after a request for another adapter waited this long, the adapter holding "
-                        f"a slot longest stops taking new requests and hands it over (default: {DEFAULT_MAX_WAIT_S})")
+                   help="batching; measured and adaptive (at most, and before anything is measured): after a request for "
+                        "another adapter waited this long, an adapter holding a slot stops taking new requests and hands "
+                        f"it over (default: {DEFAULT_MAX_WAIT_S})")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",

@@ -100,14 +100,25 @@ class RequestView:
 
 
 @dataclass
+class AdapterQueueView:
+    adapter: str
+    running: int = 0            # requests in the engine
+    queued: int = 0             # requests waiting for a place
+    oldest_wait_s: float = 0.0  # how long its oldest waiting request has waited (0: none waits)
+
+
+@dataclass
 class AdmissionView:
     policy: str = ""
     places: int = 0             # device slots (max_loras)
     pinned: int = 0             # places held by device pins
     active: int = 0             # places held by unpinned adapters with requests in the engine
     queued: int = 0
-    max_wait_s: float = 0.0     # the batching policies' bound in force before an adapter hands its slot over
+    max_wait_s: float = 0.0     # the bound in force before an adapter hands its slot over
     requests: list[RequestView] = field(default_factory=list)
+    adapters: list[AdapterQueueView] = field(default_factory=list)   # the longest-waiting first
+    handover_s: float = 0.0     # measured: a turn's first request, grant to first token (0: none yet)
+    service_s: float = 0.0      # measured: a request, grant to end (0: none yet)
 
 
 @dataclass

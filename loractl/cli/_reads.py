@@ -69,16 +69,27 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
 def requests_report(socket: str | None, home: str | None, json_output: bool) -> None:
     """``loractl ps``."""
     info = _status(socket, home)
-    requests = sorted((info.get("admission") or {}).get("requests", []),
+    gate = info.get("admission") or {}
+    requests = sorted(gate.get("requests", []),
                       key=lambda r: (r["state"] != "queued", r.get("position", 0), -r.get("age_s", 0.0)))
+    adapters = gate.get("adapters", [])
     if json_output:
-        print_json(requests)
+        print_json({"adapters": adapters, "requests": requests})
         return
     if not requests:
         sys.stdout.write("no requests in flight\n")  # what rich prints, without its import
         return
     from rich.table import Table
 
+    if adapters:   # fairness at a glance: who waits, and for how long
+        per_adapter = Table(box=None, pad_edge=False, header_style="bold")
+        for header in ("ADAPTER", "RUNNING", "WAITING", "OLDEST WAIT"):
+            per_adapter.add_column(header, no_wrap=True)
+        for a in adapters:
+            per_adapter.add_row(a["adapter"], str(a.get("running", 0)), str(a.get("queued", 0)),
+                                f"{a['oldest_wait_s']:.2f}s" if a.get("queued") else "-")
+        _print(per_adapter)
+        sys.stdout.write("\n")
     table = Table(box=None, pad_edge=False, header_style="bold")
     for header in ("ID", "ADAPTER", "STATE", "POS", "WAITED", "AGE"):
         table.add_column(header, no_wrap=True)

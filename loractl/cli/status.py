@@ -41,13 +41,17 @@ def ps(socket: SocketOpt = None, home: HomeOpt = None, json_output: JsonOpt = Fa
     """List the requests the daemon holds: running in the engine, or waiting for a device slot.
 
     A request for an adapter waits at the admission gate while the device slots the pins leave
-    free hold other adapters; POS is its place in the line, WAITED how long it waited.
+    free hold other adapters; POS is its place in the line, WAITED how long it waited. Above
+    the requests, one line per adapter: requests running and waiting, and how long its oldest
+    waiting request has waited (the longest first: an adapter starving shows at the top).
 
     Examples:
 
         loractl ps
 
-        loractl ps --json | jq '[.[] | select(.state == "queued")] | length'
+        loractl ps --json | jq '[.requests[] | select(.state == "queued")] | length'
+
+        loractl ps --json | jq '.adapters[0].oldest_wait_s'
     """
     requests_report(socket, home, json_output)
 

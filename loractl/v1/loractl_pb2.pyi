@@ -89,7 +89,7 @@ class Startup(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[float] = ..., total: _Optional[float] = ..., unit: _Optional[str] = ..., detail: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests")
+    __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests", "adapters", "handover_s", "service_s")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PLACES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,9 @@ class Admission(_message.Message):
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_S_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_S_FIELD_NUMBER: _ClassVar[int]
     policy: str
     places: int
     pinned: int
@@ -104,7 +107,22 @@ class Admission(_message.Message):
     queued: int
     max_wait_s: float
     requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
-    def __init__(self, policy: _Optional[str] = ..., places: _Optional[int] = ..., pinned: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., max_wait_s: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterQueue]
+    handover_s: float
+    service_s: float
+    def __init__(self, policy: _Optional[str] = ..., places: _Optional[int] = ..., pinned: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., max_wait_s: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterQueue, _Mapping]]] = ..., handover_s: _Optional[float] = ..., service_s: _Optional[float] = ...) -> None: ...
+
+class AdapterQueue(_message.Message):
+    __slots__ = ("adapter", "running", "queued", "oldest_wait_s")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    running: int
+    queued: int
+    oldest_wait_s: float
+    def __init__(self, adapter: _Optional[str] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., oldest_wait_s: _Optional[float] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
     __slots__ = ("id", "adapter", "state", "position", "waited_s", "age_s")

@@ -165,6 +165,7 @@ class LoractlService(LoractlBase):
         fields["capacity"] = pb.Capacity(**fields["capacity"])
         admission = fields["admission"]
         admission["requests"] = [pb.RequestInfo(**r) for r in admission["requests"]]
+        admission["adapters"] = [pb.AdapterQueue(**a) for a in admission["adapters"]]
         fields["admission"] = pb.Admission(**admission)
         fields["startup"] = pb.Startup(**fields["startup"])
         await stream.send_message(pb.StatusReply(**fields))

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from loractl import __version__
 from loractl.errors import AdapterNotFound, Cancelled, EngineUnavailable, InvalidRequest, LoractlError
 from loractld import testhooks
-from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket
+from loractld.serving.admission import WAIT_BUCKETS, Gate, Ticket, TicketLabel
 from loractld.serving.finishing import Finishing
 from loractld.serving.signals import scheduler_series
 # The front ends take these from here.
@@ -53,7 +53,7 @@ from loractld.startup import StartupProgress
 from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted  # noqa: F401 - the doors take them from here
 from loractld.core import policy
 from loractld.core.disk_ops import DiskOps
-from loractld.views import (AdapterView, AdmissionView, CapacityView, EngineConfigView, RequestView,
+from loractld.views import (AdapterQueueView, AdapterView, AdmissionView, CapacityView, EngineConfigView, RequestView,
                             StartupView, StatusView)
 
 if TYPE_CHECKING:
@@ -247,9 +247,13 @@ class Core(DiskOps):
         requests = [RequestView(id=t.id, adapter=t.label, state="running" if t.admitted is not None else "queued",
                                 position=gate.position(t), waited_s=t.wait_s if t.admitted is not None else now - t.arrived,
                                 age_s=now - t.arrived) for t in gate.tickets.values()]
+        measured = gate.measured
         return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
                              active=len(gate.unpinned_active()), queued=len(gate.queue),
-                             max_wait_s=float(gate.policy.bound()) if hasattr(gate.policy, "bound") else 0.0, requests=requests)
+                             max_wait_s=float(gate.policy.bound()) if hasattr(gate.policy, "bound") else 0.0, requests=requests,
+                             adapters=[AdapterQueueView(q.label, q.running, q.queued, q.oldest_wait_s)
+                                       for q in gate.adapter_queues()],
+                             handover_s=measured.handover_s or 0.0, service_s=measured.service_s or 0.0)
 
     @property
     def model_label(self) -> str:
@@ -280,6 +284,9 @@ class Core(DiskOps):
 
     def _generated(self, label: tuple, tokens: int) -> None:
         self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
+        ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
+        if tokens and ticket is not None and ticket.first_token is None and self.gate is not None:
+            self.gate.first_token(ticket)
 
     async def sampling_defaults(self) -> dict:
         """The model's own defaults for sampling parameters a request leaves out."""
@@ -388,7 +395,9 @@ class Core(DiskOps):
             with self._tracked("the daemon is shutting down; the generation was stopped"):
                 ticket = await gate.enter(adapter.engine_id if adapter else None,
                                           name or (adapter.label if adapter else ""))
-                yield (("adapter", ticket.label),)
+                label = TicketLabel((("adapter", ticket.label),))
+                label.ticket = ticket
+                yield label
         finally:
             if ticket is not None:
                 gate.finish(ticket)
@@ -466,6 +475,15 @@ class Core(DiskOps):
                 self.metrics.set("loractl_admission_queue_depth", labels, 0)  # drained since the last read
             for label, queued in depth.items():
                 self.metrics.set("loractl_admission_queue_depth", (("adapter", label),), queued)
+            for labels in list(self.metrics.gauges.get("loractl_admission_oldest_wait_seconds", {})):
+                self.metrics.set("loractl_admission_oldest_wait_seconds", labels, 0)  # none waits now
+            for q in self.gate.adapter_queues():
+                if q.queued:
+                    self.metrics.set("loractl_admission_oldest_wait_seconds", (("adapter", q.label),), q.oldest_wait_s)
+            measured = self.gate.measured
+            for what, value in (("handover", measured.handover_s), ("service", measured.service_s)):
+                if value is not None:
+                    self.metrics.set("loractl_admission_measured_seconds", (("what", what),), value)
         if self.tiers is not None:
             await self.tiers.sync()
         if self.catalog is not None:

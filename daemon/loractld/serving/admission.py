@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-POLICIES = ("batching", "adaptive", "first-come")
-DEFAULT_POLICY = "batching"
+POLICIES = ("measured", "batching", "adaptive", "first-come")
+DEFAULT_POLICY = "measured"
 DEFAULT_MAX_WAIT_S = 0.1  # bench/thrash_bench.py: 1 s let cold adapters starve and halved tokens/s
 # Wait-time histogram buckets (seconds): from "did not wait" to "starved".
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -56,11 +56,56 @@ class Ticket:
     arrived: float
     admitted: float | None = None
     waited: bool = False            # it was queued (not admitted on arrival)
+    opened_turn: bool = False       # its grant made its adapter active (a hand-over, if one was closing)
+    first_token: float | None = None
     grant: asyncio.Future | None = field(default=None, repr=False)
 
     @property
     def wait_s(self) -> float:
         return (self.admitted if self.admitted is not None else time.monotonic()) - self.arrived
+
+
+class TicketLabel(tuple):
+    """An admitted request's metrics label, carrying its ticket: the core counts generated
+    tokens under it, and the first count tells the gate when the first token came
+    (:meth:`Gate.first_token`)."""
+
+    ticket: Ticket
+
+
+@dataclass
+class Measured:
+    """What the gate measures as it serves, as running means (EWMA, ``weight`` per sample):
+
+    - ``handover_s``: a turn's first request, from its place's grant to its first token: the
+      adapter's load (disk, host, device) and prefill, what a hand-over costs the waiter
+      beyond the drain;
+    - ``service_s``: a request, from its grant to its end: what an adapter still running needs
+      to drain, given how long its requests have run.
+
+    None until the first sample."""
+
+    handover_s: float | None = None
+    service_s: float | None = None
+    handovers: int = 0
+    weight: float = 0.2
+
+    def note(self, what: str, sample: float) -> None:
+        old = getattr(self, what)
+        setattr(self, what, sample if old is None else old + self.weight * (sample - old))
+        if what == "handover_s":
+            self.handovers += 1
+
+
+@dataclass
+class AdapterQueue:
+    """One adapter at the gate: its requests in the engine and waiting, and how long the oldest
+    waiting one has waited (0 if none waits)."""
+
+    label: str
+    running: int = 0
+    queued: int = 0
+    oldest_wait_s: float = 0.0
 
 
 class Policy(Protocol):
@@ -119,12 +164,14 @@ class AdapterBatching:
         starving = [t for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound]
         if not starving and not gate.pins_waiting:
             return True
-        # Someone has waited too long: the adapter quickest to drain (fewest requests in the
-        # engine; ties: the oldest turn) hands its place over. Not simply the oldest turn: that
-        # is the hot adapter, and closing it stalls every client waiting on it
-        # (bench/thrash_bench.py: TTFT p99 doubled at 4 streams).
-        closing = min(gate.unpinned_active(), key=lambda k: (gate.running[k], gate.turn_began[k]), default=None)
-        return key != closing
+        return key != self.closing(gate, now)
+
+    def closing(self, gate: Gate, now: float) -> int | None:
+        """Someone has waited too long: which active adapter hands its place over. The one
+        quickest to drain (fewest requests in the engine; ties: the oldest turn). Not simply
+        the oldest turn: that is the hot adapter, and closing it stalls every client waiting
+        on it (bench/thrash_bench.py: TTFT p99 doubled at 4 streams)."""
+        return min(gate.unpinned_active(), key=lambda k: (gate.running[k], gate.turn_began[k]), default=None)
 
     def next_adapter(self, gate: Gate, now: float) -> int | None:
         waiting: dict[int, list[Ticket]] = {}
@@ -186,6 +233,10 @@ def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
         return AdapterBatching(max_wait_s)
     if name == "adaptive":
         return AdaptiveBatching(max_wait_s)
+    if name == "measured":
+        from loractld.serving.handover import MeasuredHandover
+
+        return MeasuredHandover(max_wait_s)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
@@ -211,6 +262,9 @@ class Gate:
         self.tickets: dict[str, Ticket] = {}    # every request from arrival to end (loractl ps)
         self._pin_waiters: list[tuple[int, asyncio.Future]] = []
         self._ids = itertools.count(1)
+        self.measured = Measured()
+        if hasattr(policy, "bind"):
+            policy.bind(self)   # a policy that decides from what the gate measures
 
     # -- the state, for policies and status ------------------------------------------------
     def unpinned_active(self) -> list[int]:
@@ -237,6 +291,37 @@ class Gate:
         for t in self.queue:
             depth[t.label] = depth.get(t.label, 0) + 1
         return depth
+
+    def adapter_queues(self) -> list[AdapterQueue]:
+        """Every adapter with a request at the gate (not the base model), oldest waiter first."""
+        now = self.clock()
+        out: dict[str, AdapterQueue] = {}
+        for t in self.tickets.values():
+            if t.key is None:
+                continue
+            q = out.setdefault(t.label, AdapterQueue(t.label))
+            if t.admitted is None:
+                q.queued += 1
+                q.oldest_wait_s = max(q.oldest_wait_s, now - t.arrived)
+            else:
+                q.running += 1
+        return sorted(out.values(), key=lambda q: (-q.oldest_wait_s, q.label))
+
+    def drain_s(self, key: int, now: float) -> float | None:
+        """How long ``key``'s requests in the engine still need, by the measured service time
+        (the longest of them); None before a service time was measured."""
+        service = self.measured.service_s
+        if service is None:
+            return None
+        ages = [now - t.admitted for t in self.tickets.values() if t.key == key and t.admitted is not None]
+        return max((max(0.0, service - age) for age in ages), default=0.0)
+
+    def first_token(self, ticket: Ticket) -> None:
+        """The engine gave ``ticket`` its first token (called once, by the core)."""
+        if ticket.first_token is None and ticket.admitted is not None:
+            ticket.first_token = self.clock()
+            if ticket.opened_turn and ticket.waited:
+                self.measured.note("handover_s", ticket.first_token - ticket.admitted)
 
     # -- requests ----------------------------------------------------------------------------
     async def enter(self, key: int | None, label: str) -> Ticket:
@@ -267,6 +352,8 @@ class Gate:
         if ticket.admitted is None:
             self.queue.remove(ticket)
         elif ticket.key is not None:
+            if ticket.first_token is not None:   # served, not failed or cut off before its answer
+                self.measured.note("service_s", self.clock() - ticket.admitted)
             self.running[ticket.key] -= 1
             if not self.running[ticket.key]:
                 del self.running[ticket.key]
@@ -343,7 +430,8 @@ class Gate:
                 key = self.policy.next_adapter(self, now)
                 if key is not None and key not in self.running:
                     self.turn_began[key] = now
-                    for ticket in [t for t in self.queue if t.key == key]:
+                    for i, ticket in enumerate([t for t in self.queue if t.key == key]):
+                        ticket.opened_turn = i == 0
                         self._admit(ticket)
                         if not self.policy.batch_on_grant:
                             break  # the others follow through may_join, in their order
