@@ -61,6 +61,10 @@ TRAIN = [
                  "tokens": 32, "arrival": "closed"}),
     ("train-d", {"adapters": 4, "max_loras": 2, "max_cpu_loras": 4, "clients": 16, "requests": 160, "zipf": 0.7,
                  "tokens": 24, "arrival": "closed"}),
+    ("train-e", {"adapters": 10, "max_loras": 4, "max_cpu_loras": 6, "clients": 32, "requests": 128, "zipf": 1.0,
+                 "tokens": 64, "arrival": "closed"}),
+    ("train-f", {"adapters": 8, "max_loras": 3, "max_cpu_loras": 4, "clients": 24, "requests": 150, "zipf": 0.8,
+                 "tokens": 40, "arrival": "closed"}),
 ]
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p999_ms")
 

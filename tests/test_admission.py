@@ -357,3 +357,24 @@ def test_measured_waits_as_long_as_a_hand_over_costs_and_breaks_closing_ties_by_
         clock.now = 0.76                                # waited 0.06 > H: adapter 2 closes
         assert (await arrive(gate, 1)).done() and not (await arrive(gate, 2)).done() and not waiter.done()
     run(go())
+
+
+def test_measured_closes_one_adapter_per_starving_adapter_keeping_the_busiest_open():
+    """Three places held by adapters with 3, 2 and 1 requests; two other adapters starve. Under
+    'measured' both quieter adapters stop taking requests at once (two drains in parallel,
+    each waiter waits about one); the busiest keeps taking them. Under 'batching' only the
+    quietest closes (the second waiter waits a drain more)."""
+    async def go():
+        clock = Clock()
+        gates = {name: checked(Gate(3, make_policy(name, 0.1), clock=clock)) for name in ("measured", "batching")}
+        for gate in gates.values():
+            for key, count in ((1, 3), (2, 2), (3, 1)):
+                for _ in range(count):
+                    await arrive(gate, key)
+            await arrive(gate, 4)
+            await arrive(gate, 5)
+        clock.now = 0.2                                   # both waiters past the bound (0.1)
+        joined = {name: [(await arrive(gate, key)).done() for key in (1, 2, 3)] for name, gate in gates.items()}
+        assert joined == {"measured": [True, False, False], "batching": [True, True, False]}
+        assert gates["measured"].policy.closing_set(gates["measured"], clock.now, 5) == [3, 2]   # never the last
+    run(go())

@@ -17,19 +17,28 @@ The rule, for the oldest request waiting for an adapter that holds no place:
   more than twice the better of the two choices made with hindsight (in this cost model). A
   constant bound (``batching``, 0.1 s) is the same rule with a guessed price: about 5x the
   ``H`` measured on this CPU (about 20 ms), more on a GPU (docs/benchmarks.md, on paper).
-- **Who closes.** As ``batching``: the active adapter with fewest requests in the engine, a
-  proxy for the fewest *victims* (its requests that arrive while it drains and must then wait
-  a whole turn); ties go to the one whose drain ends first by the measured service time (the
-  largest time left of its requests in the engine), then the oldest turn. Closing the adapter
-  whose drain ends first regardless of its load was measured and rejected: it closes the hot
-  adapter whenever its youngest request is older than a cold one's, and its clients pay
-  (training shape train-c: TTFT p50 4x batching's, p99 no better; docs/benchmarks.md).
+- **How many close.** One per adapter starving (waited past the bound; a device pin waiting
+  counts as one), keeping the busiest active adapter open while more than one is active. With
+  ``k`` adapters starving, ``batching`` closes one adapter at a time, so the ``k``-th waits
+  ``k`` drains in turn; here the ``k`` drains run at once and each waits about one. On the
+  first drawn shapes the rule was run on, the longest gate wait was about three drains under
+  both rules (drawn-0: 1.7-2.8 s against a measured service time of 0.53-0.89 s), which is what
+  this changes (docs/benchmarks.md).
+- **Who closes.** As ``batching``: the active adapters with fewest requests in the engine, a
+  proxy for the fewest *victims* (their requests that arrive while they drain and must then
+  wait a whole turn); ties go to the one whose drain ends first by the measured service time
+  (the largest time left of its requests in the engine), then the oldest turn. Closing the
+  adapter whose drain ends first regardless of its load was tried first and dropped: it
+  closes the hot adapter whenever its youngest request is older than a cold one's, and its
+  clients pay a turn each; on the training shapes its p99 was no better than batching's
+  (train-a: 2260 and 2138 ms against 1892 and 1898 ms) and its one train-c round had TTFT p50
+  227 ms against batching's 57 and 192 ms (docs/benchmarks.md).
 - **Who gets the place.** As ``batching``: the adapter waiting longest past the bound, with
   all its waiting requests at once (one batch, one load), else the one with most waiting.
 
-So a waiter's gate wait is bounded by ``H + drain`` where a constant bound gave
-``bound + drain``; the drain (one answer's time at most) is what remains, and where several
-adapters wait, their turns in order of their oldest request.
+So a waiter's gate wait is about ``H + drain`` where ``batching`` gave ``bound + k drains``
+(with one slot, or more adapters starving than can close, turns still come in order of the
+oldest request: a rotation no rule shortens, only more slots).
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, AdapterBatching, Gate
 
 
 class MeasuredHandover(AdapterBatching):
-    """``batching`` whose bound is the measured hand-over cost, ties among closing adapters
-    broken by the measured drain (the module's docstring says why)."""
+    """``batching`` whose bound is the measured hand-over cost, which closes one adapter per
+    starving adapter at once, ties broken by the measured drain (the module's docstring says
+    why)."""
 
     name = "measured"
 
@@ -55,8 +65,24 @@ class MeasuredHandover(AdapterBatching):
         handover = self.measured.handover_s if self.measured is not None else None
         return self.max_wait_s if handover is None else min(self.max_wait_s, handover)
 
+    def may_join(self, gate: Gate, key: int, now: float) -> bool:
+        bound = self.bound()
+        starving = {t.key for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound}
+        short = len(starving) + gate.pins_waiting - max(0, gate.free)   # free places go to them anyway
+        if short <= 0:
+            return True
+        return key not in self.closing_set(gate, now, short)
+
+    def closing_set(self, gate: Gate, now: float, starving: int) -> list[int]:
+        """The active adapters that stop taking requests while ``starving`` adapters wait past
+        the bound: one each, the busiest kept open while more than one is active."""
+        active = sorted(gate.unpinned_active(), key=lambda k: self._cost(gate, k, now))
+        return active[:max(1, min(starving, len(active) - 1))]
+
     def closing(self, gate: Gate, now: float) -> int | None:
-        def cost(k: int) -> tuple:
-            drain = gate.drain_s(k, now)
-            return (gate.running[k], drain if drain is not None else 0.0, gate.turn_began[k])
-        return min(gate.unpinned_active(), key=cost, default=None)
+        return min(gate.unpinned_active(), key=lambda k: self._cost(gate, k, now), default=None)
+
+    @staticmethod
+    def _cost(gate: Gate, key: int, now: float) -> tuple:
+        drain = gate.drain_s(key, now)
+        return (gate.running[key], drain if drain is not None else 0.0, gate.turn_began[key])
