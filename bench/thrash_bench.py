@@ -12,7 +12,8 @@ Systems, same model, same engine and LoRA settings, in the same run, one at a ti
 idle); at each load level every system's cell runs back to back, the order rotated per level
 and round:
 
-- ``batching``   — loractld ``--admission batching`` (its default), through ``loractl.Client``;
+- ``measured``   — loractld ``--admission measured`` (its default: loractld/serving/handover.py);
+- ``batching``   — loractld ``--admission batching`` (the default before issue 40), through ``loractl.Client``;
 - ``adaptive``   — loractld ``--admission adaptive`` (batching, the bound from measured drains; opt in);
 - ``first-come`` — loractld ``--admission first-come``;
 - ``server``     — ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs),
@@ -183,7 +184,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", default="4,8,16")
     p.add_argument("--requests", type=int, default=192, help="requests per cell")
-    p.add_argument("--systems", default="batching,first-come,server")
+    p.add_argument("--systems", default="measured,batching,first-come,server")
     p.add_argument("--max-wait", type=float, default=None, help="--admission-max-wait for the batching and adaptive daemons")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir")

@@ -47,7 +47,35 @@ def home() -> Path:
     root = Path(tempfile.mkdtemp(prefix="lct-", dir="/tmp"))
     ensure_demo(paths.layout(root).tiny_dir)
     yield root
+    errors = []
+    for wait in _AT_END:   # every session fixture depends on home: its teardown is the last
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 - the others are still waited for
+            errors.append(e)
+    _AT_END.clear()
     shutil.rmtree(root, ignore_errors=True)
+    if errors:
+        raise errors[0]
+
+
+# The session fixtures' processes get SIGTERM at their teardown and are waited for together at
+# the session's end (home's teardown): a daemon's stop takes 3-5 s (its engine core's exit), and
+# one after another the session's four waited that many times over.
+_AT_END: list = []
+
+
+def _stop_at_end(proc: subprocess.Popen, then=None) -> None:
+    """SIGTERM ``proc`` now; at the session's end wait for it as Daemon.stop does (60 s, else
+    TimeoutExpired), then run ``then``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+
+    def wait() -> None:
+        proc.wait(60)
+        if then is not None:
+            then()
+    _AT_END.append(wait)
 
 
 @pytest.fixture(scope="session")
@@ -220,8 +248,68 @@ def rig(home, socket_users) -> Rig:
                      *(("--socket-group", users.group) if users else ())))
     rig.start()
     yield rig
-    if rig.daemon.proc.poll() is None:
-        rig.daemon.stop()
+    _stop_at_end(rig.daemon.proc)
+
+
+CUDA_SPY = Path(__file__).resolve().parent / "cuda_spy.py"
+
+
+@dataclass
+class Hooked:
+    """A daemon started as ``loractld --device auto`` under the CUDA spy (tests/cuda_spy.py,
+    recording to ``record``), with test hooks armable through files under ``root``: pause
+    points (``pauses``, LORACTL_TEST_PAUSE_DIR: loractld/testhooks.py), a one-shot activation
+    fault (``activate_fault``) and a poisoned load (``poison``) (loractld/worker/extension.py)."""
+    daemon: Daemon
+    root: Path
+    record: Path
+
+    @property
+    def pauses(self) -> Path:
+        return self.root / "pauses"
+
+    @property
+    def activate_fault(self) -> Path:
+        return self.root / "activate-fault"
+
+    @property
+    def poison(self) -> Path:
+        return self.root / "poison"
+
+    def cuda_calls(self) -> list[dict]:
+        """CUDA calls the spy recorded in the daemon's own process (the spy's line must be there)."""
+        sys.path.insert(0, str(CUDA_SPY.parent))
+        import cuda_spy
+
+        assert "spy installed" in self.record.read_text(), "the spy did not run in the daemon"
+        return cuda_spy.calls(str(self.record), pid=self.daemon.proc.pid)
+
+
+@pytest.fixture(scope="session")
+def hooked(home: Path) -> Hooked:
+    """One daemon for the modules that arm its test hooks (test_folder_isolation,
+    test_races_daemon) and for test_cuda_start, which checks that its start and serving never
+    touch CUDA in its own process: one engine start for the three instead of three. Its own
+    home (sub_home); the hooks do nothing until a test arms one. At the end, after its stop,
+    the spy's record must still hold no CUDA call of the daemon's process (its whole life)."""
+    root = sub_home(home, "hooked")
+    hooks = Hooked(None, root, root / "cuda-calls.jsonl")  # type: ignore[arg-type]
+    hooks.pauses.mkdir(exist_ok=True)
+    hooks.record.unlink(missing_ok=True)
+    flags = [f for f in ENGINE_FLAGS if f not in ("--device", "cpu")]
+    hooks.daemon = start_daemon(root, "--device", "auto", engine_flags=flags, name="hooked",
+                                prefix=[sys.executable, str(CUDA_SPY), str(hooks.record)],
+                                env={"PYTORCH_NVML_BASED_CUDA_CHECK": "",
+                                     "LORACTL_TEST_PAUSE_DIR": str(hooks.pauses),
+                                     "LORACTL_TEST_ACTIVATE_FAULT": str(hooks.activate_fault),
+                                     "LORACTL_TEST_POISON": str(hooks.poison)})
+    yield hooks
+
+    def no_cuda_over_its_life() -> None:
+        found = hooks.cuda_calls()
+        assert found == [], "CUDA touched in the daemon over its life:\n" + "\n".join(
+            c["call"] + "\n" + "".join(c["stack"]) for c in found)
+    _stop_at_end(hooks.daemon.proc, no_cuda_over_its_life)
 
 
 async def _status(sock: Path) -> dict:
@@ -234,7 +322,7 @@ def daemon(home: Path) -> Daemon:
     """One real daemon for the session: tiny model, CPU, float32, 2 device slots, 3 host."""
     d = start_daemon(home)
     yield d
-    d.stop()
+    _stop_at_end(d.proc)
 
 
 def sigint_as_at_a_terminal() -> None:
@@ -418,7 +506,10 @@ def vllm_server(home: Path, oracle_rig) -> VllmServer:
         time.sleep(0.5)
     yield server
     os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+
+    def wait() -> None:   # at the session's end, with the daemons (_stop_at_end)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _AT_END.append(wait)

@@ -4,6 +4,7 @@ docs/benchmarks.md, measured by running the scripts themselves)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -11,8 +12,18 @@ import tempfile
 from conftest import REPO
 
 
-def test_lora_bench_smoke():
-    work = tempfile.mkdtemp(prefix="lct-bs-", dir="/tmp")
+def _workdir(prefix: str, demo, work: str | None = None) -> str:
+    """A bench workdir whose ``tiny`` is the session's demo build (a link): the bench's own
+    ``ensure_demo(workdir/tiny)`` finds it complete instead of building it again (the build
+    is a pure function of loractld/models/tiny.py: the same bytes), a build saved per smoke.
+    The benches only read it (their adapters go to workdir/adapters)."""
+    work = work or tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    os.symlink(demo, os.path.join(work, "tiny"))
+    return work
+
+
+def test_lora_bench_smoke(demo):
+    work = _workdir("lct-bs-", demo)
     out = f"{work}/r.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "lora_bench.py"), "--model", "tiny", "--device", "cpu",
@@ -40,10 +51,10 @@ def test_cli_speed_smoke(daemon, home):
                                               *(f"loractl {c}{s}" for c in reads for s in ("", " --socket"))}
 
 
-def test_serve_bench_smoke():
+def test_serve_bench_smoke(demo):
     """The head-to-head harness runs all three systems (loractl, vLLM's OpenAI server,
     in-process AsyncLLM) end to end and reports ratios for every cell."""
-    work = tempfile.mkdtemp(prefix="lct-sb-", dir="/tmp")
+    work = _workdir("lct-sb-", demo)
     out = f"{work}/r.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "serve_bench.py"), "--kv-cache", "64MiB", "--rounds", "1",
@@ -61,10 +72,10 @@ def test_serve_bench_smoke():
     assert "| one@2 |" in report["markdown"]
 
 
-def test_top_overhead_bench_smoke():
+def test_top_overhead_bench_smoke(demo):
     """bench/top_overhead.py attaches a real ``loractl top`` beside a load and reports, per
     round, each attached cell's tokens/s against the bare cells beside it."""
-    work = tempfile.mkdtemp(prefix="lct-top-", dir="/tmp")
+    work = _workdir("lct-top-", demo)
     out = f"{work}/r.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "top_overhead.py"), "--kv-cache", "64MiB", "--rounds", "1",
@@ -88,11 +99,11 @@ def test_top_overhead_bench_smoke():
 MATRIX_TOKENS_FLOOR = 0.5
 
 
-def test_matrix_bench_quick_guard():
+def test_matrix_bench_quick_guard(demo):
     """bench/matrix_bench.py --quick: every cell has runs from both loractl policies and
     vLLM's server, and loractl's default keeps at least MATRIX_TOKENS_FLOOR of the server's
     tokens/s in every cell."""
-    work = tempfile.mkdtemp(prefix="lct-mx-", dir="/tmp")
+    work = _workdir("lct-mx-", demo)
     out = f"{work}/r.json"
     result = subprocess.run(
         [sys.executable, str(REPO / "bench" / "matrix_bench.py"), "--quick", "--workdir", work, "--out", out],
@@ -124,8 +135,9 @@ def test_transport_floor_smoke(tmp_path):
         assert report["median"][rpc]["fit"]["per_token_us"] is not None
 
 
-def test_ttft_waves_smoke(tmp_path):
+def test_ttft_waves_smoke(tmp_path, demo):
     """Both clients of one daemon run both length patterns, with ratios per pattern."""
+    _workdir("", demo, str(tmp_path))
     out = tmp_path / "waves.json"
     result = subprocess.run([sys.executable, str(REPO / "bench" / "ttft_waves.py"), "--kv-cache", "64MiB",
                              "--rounds", "1", "--streams", "4", "--requests", "12", "--tokens", "4",

@@ -14,9 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ENGINE_FLAGS, start_daemon, sub_home
-
-SPY = Path(__file__).resolve().parent / "cuda_spy.py"
+from conftest import CUDA_SPY as SPY
 
 
 def _spied(tmp_path: Path, code: str, env: dict[str, str]) -> list[dict]:
@@ -67,33 +65,23 @@ def test_auto_device_follows_vllms_platform(monkeypatch):
     assert "--device cpu" in info.value.hint
 
 
-def test_a_default_start_never_initializes_cuda_in_the_daemon(home):
+def test_a_default_start_never_initializes_cuda_in_the_daemon(hooked, home):
     """loractld --device auto, the whole start (model check, demo assets, engine) and a
-    generation with an adapter, under the spy: no CUDA call in the daemon's own process."""
-    root = sub_home(home, "cuda-spy")
-    record = root / "cuda-calls.jsonl"
-    record.unlink(missing_ok=True)
-    flags = [f for f in ENGINE_FLAGS if f not in ("--device", "cpu")]
-    env = {k: "" for k in ("PYTORCH_NVML_BASED_CUDA_CHECK",)}
-    d = start_daemon(root, "--device", "auto", engine_flags=flags, env=env,
-                     prefix=[sys.executable, str(SPY), str(record)])
-    try:
-        async def use():
-            async with d.client() as c:
-                status = await c.status()
-                text = "".join([chunk.text async for chunk in c.generate(
-                    "hello", lora=str(home / "tiny" / "adapters" / "sql-expert/v1"), max_tokens=4, temperature=0)])
-                return status, text
-        status, text = asyncio.run(use())
-        assert status["engine"]["device"] == "cpu" and status["engine"]["dtype"] == "float32"
-        assert int(status["engine"]["kv_cache_bytes"]) == 64 << 20 and text
-    finally:
-        d.stop()
-    sys.path.insert(0, str(SPY.parent))
-    import cuda_spy
+    generation with an adapter, under the spy: no CUDA call in the daemon's own process. The
+    daemon is conftest's ``hooked`` (started under the spy, shared with the modules that arm
+    its test hooks); its fixture checks the record again after its stop, over its whole life."""
+    d = hooked.daemon
 
-    assert "spy installed" in record.read_text()
-    found = cuda_spy.calls(str(record), pid=d.proc.pid)
+    async def use():
+        async with d.client() as c:
+            status = await c.status()
+            text = "".join([chunk.text async for chunk in c.generate(
+                "hello", lora=str(home / "tiny" / "adapters" / "sql-expert/v1"), max_tokens=4, temperature=0)])
+            return status, text
+    status, text = asyncio.run(use())
+    assert status["engine"]["device"] == "cpu" and status["engine"]["dtype"] == "float32"
+    assert int(status["engine"]["kv_cache_bytes"]) == 64 << 20 and text
+    found = hooked.cuda_calls()
     assert found == [], "CUDA touched in the daemon before/while serving:\n" + "\n".join(
         c["call"] + "\n" + "".join(c["stack"]) for c in found)
 

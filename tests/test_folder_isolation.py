@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from adapter_factory import good, replace_tensors
-from conftest import collect, start_daemon, sub_home
+from conftest import collect
 from loractl import Client
 from loractl.errors import LoractlError
 from loractld.store.disk import files_digest
@@ -26,16 +26,10 @@ ADAPTERS = ("sql-expert/v1", "poet/v1")   # same rank and targets: same file siz
 
 
 @pytest.fixture(scope="module")
-def isolated(home):
-    root = sub_home(home, "isolation")
-    pauses = root / "pauses"
-    pauses.mkdir(exist_ok=True)
-    fault = root / "activate-fault"
-    d = start_daemon(root, name="iso", env={"LORACTL_TEST_PAUSE_DIR": str(pauses),
-                                            "LORACTL_TEST_ACTIVATE_FAULT": str(fault),
-                                            "LORACTL_TEST_POISON": str(root / "poison")})
-    yield d, root, pauses, fault
-    d.stop()
+def isolated(hooked):
+    """conftest's ``hooked`` daemon (its own home; pause points, the activation fault and the
+    poison armable through files)."""
+    return hooked.daemon, hooked.root, hooked.pauses, hooked.activate_fault
 
 
 def _copy(src: Path, dest: Path) -> Path:

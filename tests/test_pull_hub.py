@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import BIN, collect, run_cli, sigint_as_at_a_terminal, start_daemon, sub_home
+from conftest import BIN, collect, run_cli, sigint_as_at_a_terminal
 from hub_stub import HubStub
 from loractl import Client
 from test_errors import assert_one_error
@@ -183,35 +183,40 @@ def test_ctrl_c_mid_pull_installs_nothing_and_the_next_pull_completes(daemon, hu
     assert again.returncode == 0, again.stderr
 
 
-def test_sigkill_mid_pull_then_restart_and_pull_cleanly(home, hub, demo):
+def test_sigkill_mid_pull_then_restart_and_pull_cleanly(rig, hub, demo):
     """The daemon SIGKILLed mid-download: nothing half-installed is visible, the restarted
-    daemon clears the leftovers, and the same pull then completes."""
+    daemon clears the leftovers, and the same pull then completes. The daemon is conftest's
+    ``rig``, the daemon made to be killed and restarted: its restart is this test's, and it
+    serves the rig's later users (the name pulled here is removed again)."""
     hub.add_commit("acme/killed", files_of(demo / ADAPTERS / "translator" / "v1"))
     release = hub.stall("adapter_model.safetensors", after_bytes=1000, repo="acme/killed")
-    home = sub_home(home, "k")   # one daemon per home: the session daemon's is taken
-    d = start_daemon(home, name="k")
+    home, d = rig.root, rig.daemon
+    store = home / "adapters"
+    staged_before = set((store / ".tmp").iterdir())
     env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "NO_COLOR": "1"}
-    proc = subprocess.Popen([str(BIN / "loractl"), "pull", "acme/killed", "--socket", str(d.socket)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: weight_downloads(hub, "acme/killed") >= 1, what="the stalled download")
-        os.killpg(d.proc.pid, signal.SIGKILL)
-        d.proc.wait(30)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 3, err  # the CLI says the daemon went away, in one line
-        assert "lost" in err and "Traceback" not in err
-        store = home / "adapters"
-        assert any((store / ".tmp").iterdir()), "the interrupted pull left its staging folder"
-        assert not (store / "acme" / "killed").exists()
-    finally:
-        release.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        if d.proc.poll() is None:
+        proc = subprocess.Popen([str(BIN / "loractl"), "pull", "acme/killed", "--socket", str(d.socket)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for(lambda: weight_downloads(hub, "acme/killed") >= 1, what="the stalled download")
             os.killpg(d.proc.pid, signal.SIGKILL)
             d.proc.wait(30)
-    d2 = start_daemon(home, name="k")
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 3, err  # the CLI says the daemon went away, in one line
+            assert "lost" in err and "Traceback" not in err
+            assert set((store / ".tmp").iterdir()) - staged_before, "the interrupted pull left its staging folder"
+            assert not (store / "acme" / "killed").exists()
+        finally:
+            release.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+            if d.proc.poll() is None:
+                os.killpg(d.proc.pid, signal.SIGKILL)
+                d.proc.wait(30)
+    finally:
+        rig.start()   # whatever happened above: the rig's later users get a live daemon
+    d2 = rig.daemon
     try:
         assert not any((home / "adapters" / ".tmp").iterdir())
         again = run_cli("pull", "acme/killed", "--socket", str(d2.socket), env={"HF_ENDPOINT": hub.endpoint})
@@ -219,4 +224,4 @@ def test_sigkill_mid_pull_then_restart_and_pull_cleanly(home, hub, demo):
         listed = json.loads(run_cli("ls", "--json", "--socket", str(d2.socket)).stdout)
         assert "acme/killed" in {a["name"] for a in listed}
     finally:
-        d2.stop()
+        rig.cli("rm", "acme/killed")

@@ -9,22 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from loractld import testhooks
-
 
 # -- requests against rm and replacing pulls, on a real daemon -----------------------------------
 @pytest.fixture(scope="module")
-def paused(home):
-    """A daemon of its own with pause points armable through files (loractld/testhooks.py)."""
-    from conftest import start_daemon, sub_home
-
-    root = sub_home(home, "races")
-    pauses = root / "pauses"
-    pauses.mkdir(exist_ok=True)
-    d = start_daemon(root, name="races", env={testhooks.ENV: str(pauses)})
-    d.pauses = pauses
-    yield d
-    d.stop()
+def paused(hooked):
+    """conftest's ``hooked`` daemon: its own home, pause points armable through files under
+    ``paused.pauses`` (loractld/testhooks.py)."""
+    d = hooked.daemon
+    d.pauses = hooked.pauses
+    return d
 
 
 def _wait_for(path: Path, proc, timeout: float = 60) -> None:
