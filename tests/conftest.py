@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -456,6 +456,33 @@ class VllmServer:
     url: str
     model: str
     log: Path
+    cmd: list = field(default_factory=list)
+    restarts: int = 0
+
+    def start(self) -> None:
+        """Start it (again: after its engine died, see test_openai_differential._idle) and wait
+        until it answers /health; its log goes on in the same file."""
+        import urllib.request
+
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"vLLM's server not up after 300 s:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
 
 
 def adapter_folder(demo: Path, adapter: str) -> Path:
@@ -487,24 +514,11 @@ def vllm_server(home: Path, oracle_rig) -> VllmServer:
            "--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--disable-uvicorn-access-log", *RIG_SERVER_FLAGS, "--lora-modules",
            *(f"{name}={adapter_folder(home / 'tiny', adapter)}" for name, adapter in ORACLE_ADAPTERS.items())]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", model, log)
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise RuntimeError(f"vLLM's server not up after 300 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
+    log.write_bytes(b"")
+    server = VllmServer(None, f"http://127.0.0.1:{port}", model, log, cmd)  # type: ignore[arg-type]
+    server.start()
     yield server
+    proc = server.proc
     os.killpg(proc.pid, signal.SIGTERM)
 
     def wait() -> None:   # at the session's end, with the daemons (_stop_at_end)

@@ -68,6 +68,7 @@ def test_a_lone_request_among_hot_adapters_is_served_within_the_tail_target(daem
                     await asyncio.sleep(0.005)
                 await task
                 hot_still_running = not any(loop.done() for loop in loops)
+                gate = (await client.status())["admission"]   # its hand-over measured by now
                 return first_token[0], gate, seen, hot_still_running
             finally:
                 stop.set()
@@ -144,3 +145,5 @@ def test_metrics_carry_the_oldest_wait_and_the_measurements(daemon):
     assert "# HELP loractl_admission_oldest_wait_seconds" in metrics
     service = re.search(r'^loractl_admission_measured_seconds\{what="service"\} ([0-9.e+-]+)$', metrics, re.M)
     assert service and float(service.group(1)) == pytest.approx(gate["service_s"], rel=0.5), metrics[-3000:]
+    shown = run_cli("status", "--socket", str(daemon.socket), env={"COLUMNS": "200"}).stdout
+    assert re.search(r"measured, hand-over after [0-9.]+ s \(measured: a hand-over \d+ ms, a request \d+ ms\)", shown), shown

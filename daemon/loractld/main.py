@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
     p.add_argument("--admission", choices=POLICIES, default=DEFAULT_POLICY,
                    help="which waiting adapter gets a freed device slot: 'measured' is batching whose hand-over bound "
-                        "is the measured hand-over cost and whose closing adapter is the one that drains first by the "
-                        "measured service time, 'batching' drains a hot adapter's queue "
+                        "is the measured hand-over cost and which closes one adapter per starving adapter at once, "
+                        "'batching' drains a hot adapter's queue "
                         "in one batch while bounding every wait (--admission-max-wait), 'adaptive' is batching with the bound "
                         "lowered to the measured drain, 'first-come' admits in "
                         f"arrival order (default: {DEFAULT_POLICY})")

@@ -53,7 +53,10 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     table.add_row("in flight", str(info["requests_in_flight"]))
     gate = info.get("admission") or {}
     if gate.get("policy"):
-        bound = f", hand-over after {gate['max_wait_s']:.3g} s" if gate["policy"] in ("batching", "adaptive") else ""
+        bound = f", hand-over after {gate['max_wait_s']:.3g} s" if gate["policy"] != "first-come" else ""
+        if gate.get("handover_s") or gate.get("service_s"):   # what the measured rule decides from
+            bound += (f" (measured: a hand-over {1000 * gate.get('handover_s', 0.0):.0f} ms, "
+                      f"a request {1000 * gate.get('service_s', 0.0):.0f} ms)")
         table.add_row("admission", f"{gate['policy']}{bound}")
         table.add_row("slots", f"{gate['active']} adapter(s) running, {gate['queued']} request(s) waiting "
                                "(loractl ps)")
