@@ -225,13 +225,13 @@ def pair(oracle_rig, vllm_server):
 
 
 def _idle(client: httpx.Client, server, timeout: float = 30.0) -> None:
-    """Wait until vLLM's server holds no request. Its engine can still hold the last case's
-    request a step after answering it (a stop string's abort reaches the engine core later),
-    and vLLM 0.32's CPU LoRA logits path dies when a request asking prompt logprobs (``echo``
-    with ``logprobs``) shares a step with another: ``einsum(): subscript b has size 2 ...
-    size 5`` in ``punica_cpu.add_lora_logits``, the prompt's rows against one index per request
-    (seen twice in full runs, at cases 45 and 55; never alone). loractl's own LoRA ops
-    (loractld/worker/cpu_fixes.py) take that step without dying."""
+    """Wait until vLLM's server holds no request. vLLM 0.32's CPU LoRA logits path died twice in
+    loaded full runs (at cases 45 and 55, both ``echo`` with ``logprobs``; never alone):
+    ``einsum(): subscript b has size 2 ... size 5`` in ``punica_cpu.add_lora_logits``, a
+    prompt's rows against one adapter index per request in the step, so a second request was
+    in that step. Which one was not found (the cases run one after another); an idle server
+    before each case leaves none, and ``_oracle`` restarts a server that dies anyway. loractl's
+    own LoRA ops (loractld/worker/cpu_fixes.py) do not die there."""
     deadline = time.monotonic() + timeout
     pattern = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+-]+)$", re.M)
     while time.monotonic() < deadline and server.proc.poll() is None:
