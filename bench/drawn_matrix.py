@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402
-from matrix_bench import run_configuration  # noqa: E402
+from matrix_bench import ratios, run_configuration  # noqa: E402
 from thrash_bench import connect, launched  # noqa: E402
 
 DRAW_SEED = 4040
@@ -108,23 +108,16 @@ def specs(args) -> list[dict]:
     return out
 
 
-def ratios(rounds: list[dict], system: str) -> dict:
-    out = {}
-    for figure in FIGURES:
-        values = [r[system][figure] / r["server"][figure] for r in rounds
-                  if r["server"].get(figure) and r[system].get(figure) is not None]
-        if values:
-            out[figure] = _setup.spread(values)
-    return out
-
-
 def goal(spec: dict, r: dict) -> str:
     """The issue's goal for this shape, on the medians: met, or what misses."""
     tps, p99 = r["tokens_per_s"]["median"], r["ttft_p99_ms"]["median"]
     thrash = spec["adapters"] > spec["max_loras"]
     want_tps, want_p99 = (1.2, 0.5) if thrash else (1.0, 1.0)
-    misses = [f"tok/s {tps:.2f} < {want_tps}" for _ in [0] if tps < want_tps] + \
-             [f"p99 {p99:.2f} > {want_p99}" for _ in [0] if p99 > want_p99]
+    misses = []
+    if tps < want_tps:
+        misses.append(f"tok/s {tps:.2f} < {want_tps}")
+    if p99 > want_p99:
+        misses.append(f"p99 {p99:.2f} > {want_p99}")
     return "met" if not misses else "MISSES " + ", ".join(misses)
 
 
@@ -158,7 +151,8 @@ def summarise(results: dict) -> None:
         if not rounds or not all("server" in r for r in rounds):
             continue
         systems = [s for s in rounds[0] if isinstance(rounds[0][s], dict)]
-        entry["ratios"] = {p: ratios(rounds, p) for p in systems if p != "server" and all(p in r for r in rounds)}
+        entry["ratios"] = {p: ratios(rounds, p, figures=FIGURES) for p in systems
+                           if p != "server" and all(p in r for r in rounds)}
         entry["medians"] = {s: {f: statistics.median(r[s][f] for r in rounds if r[s].get(f) is not None)
                                 for f in (*FIGURES, "ttft_max_ms") if any(r[s].get(f) is not None for r in rounds)}
                             for s in systems if all(s in r for r in rounds)}

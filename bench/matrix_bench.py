@@ -208,9 +208,9 @@ async def run_configuration(systems: list, cells: list[dict], args, results: dic
             results[spec["name"]]["rounds"].append(entry)
 
 
-def ratios(rounds: list[dict], system: str, baseline: str = "server") -> dict:
+def ratios(rounds: list[dict], system: str, baseline: str = "server", figures=RATIO_FIGURES) -> dict:
     out = {}
-    for figure in RATIO_FIGURES:
+    for figure in figures:
         values = [r[system][figure] / r[baseline][figure] for r in rounds
                   if r[baseline][figure] and r[system][figure] is not None]
         if values:

@@ -33,15 +33,8 @@ def test_a_lone_request_among_hot_adapters_is_served_within_the_tail_target(daem
         async with daemon.client() as client:
             stop = asyncio.Event()
             served = {name: 0 for name in HOT}
-
-            async def hot(name: str) -> None:
-                while not stop.is_set():
-                    async for _ in client.generate("hello", lora=str(demo / "adapters" / name), max_tokens=TOKENS,
-                                                   min_tokens=TOKENS, temperature=0.0):
-                        pass
-                    served[name] += 1
-
-            loops = [asyncio.create_task(hot(name)) for name in HOT for _ in range(CLIENTS_PER_HOT)]
+            loops = [asyncio.create_task(_closed_loop(client, demo, name, stop, served))
+                     for name in HOT for _ in range(CLIENTS_PER_HOT)]
             try:
                 deadline = time.monotonic() + 120
                 while min(served.values()) < 2 * CLIENTS_PER_HOT:   # both hot, a service time measured
@@ -91,14 +84,8 @@ def test_ps_and_the_metrics_show_each_adapters_oldest_wait(daemon, demo):
     (after the test above, or any request: a service time)."""
     async def go():
         async with daemon.client() as client:
-            stop = asyncio.Event()
-
-            async def loop(name: str) -> None:   # three adapters on two slots: one always waits
-                while not stop.is_set():
-                    await _drain(client.generate("hello", lora=str(demo / "adapters" / name), max_tokens=TOKENS,
-                                                 min_tokens=TOKENS, temperature=0.0))
-
-            loops = [asyncio.create_task(loop(name)) for name in (*HOT, LONE) for _ in range(2)]
+            stop = asyncio.Event()   # three adapters on two slots: one always waits
+            loops = [asyncio.create_task(_closed_loop(client, demo, name, stop)) for name in (*HOT, LONE) for _ in range(2)]
             listed = table = None
             deadline = time.monotonic() + 90
             try:
@@ -127,9 +114,15 @@ def test_ps_and_the_metrics_show_each_adapters_oldest_wait(daemon, demo):
     assert table.index("OLDEST WAIT") < table.index("POS")   # the adapters above the requests
 
 
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
+async def _closed_loop(client, demo, name: str, stop: asyncio.Event, served: dict | None = None) -> None:
+    """One client asking ``name`` for TOKENS-token answers back to back until ``stop``; counts
+    its finished requests in ``served``."""
+    while not stop.is_set():
+        async for _ in client.generate("hello", lora=str(demo / "adapters" / name), max_tokens=TOKENS,
+                                       min_tokens=TOKENS, temperature=0.0):
+            pass
+        if served is not None:
+            served[name] += 1
 
 
 def test_metrics_carry_the_oldest_wait_and_the_measurements(daemon):

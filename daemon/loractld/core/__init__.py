@@ -285,8 +285,8 @@ class Core(DiskOps):
     def _generated(self, label: tuple, tokens: int) -> None:
         self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
         ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
-        if tokens and ticket is not None and ticket.first_token is None and self.gate is not None:
-            self.gate.first_token(ticket)
+        if tokens and ticket is not None and self.gate is not None:
+            self.gate.first_token(ticket)   # once: it ignores a ticket that had its first token
 
     async def sampling_defaults(self) -> dict:
         """The model's own defaults for sampling parameters a request leaves out."""

@@ -161,10 +161,16 @@ class AdapterBatching:
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         bound = self.bound()
-        starving = [t for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound]
+        starving = {t.key for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound}
         if not starving and not gate.pins_waiting:
             return True
-        return key != self.closing(gate, now)
+        return key not in self.closing_set(gate, now, len(starving) + gate.pins_waiting)
+
+    def closing_set(self, gate: Gate, now: float, starving: int) -> list[int]:
+        """The active adapters that stop taking requests while ``starving`` adapters (a waiting
+        device pin counts as one) wait past the bound: here one at a time, :meth:`closing`."""
+        closing = self.closing(gate, now)
+        return [] if closing is None else [closing]
 
     def closing(self, gate: Gate, now: float) -> int | None:
         """Someone has waited too long: which active adapter hands its place over. The one

@@ -56,28 +56,22 @@ class MeasuredHandover(AdapterBatching):
     def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
         super().__init__(max_wait_s)
         self.measured: Measured | None = None
-        self.gate: Gate | None = None
 
     def bind(self, gate: Gate) -> None:
-        self.gate, self.measured = gate, gate.measured
+        self.measured = gate.measured
 
     def bound(self) -> float:
         handover = self.measured.handover_s if self.measured is not None else None
         return self.max_wait_s if handover is None else min(self.max_wait_s, handover)
 
-    def may_join(self, gate: Gate, key: int, now: float) -> bool:
-        bound = self.bound()
-        starving = {t.key for t in gate.queue if t.key not in gate.running and now - t.arrived >= bound}
-        short = len(starving) + gate.pins_waiting - max(0, gate.free)   # free places go to them anyway
-        if short <= 0:
-            return True
-        return key not in self.closing_set(gate, now, short)
-
     def closing_set(self, gate: Gate, now: float, starving: int) -> list[int]:
-        """The active adapters that stop taking requests while ``starving`` adapters wait past
-        the bound: one each, the busiest kept open while more than one is active."""
+        """One each for the ``starving`` adapters that free places will not take anyway, the
+        busiest kept open while more than one is active."""
+        short = starving - max(0, gate.free)
+        if short <= 0:
+            return []
         active = sorted(gate.unpinned_active(), key=lambda k: self._cost(gate, k, now))
-        return active[:max(1, min(starving, len(active) - 1))]
+        return active[:max(1, min(short, len(active) - 1))]
 
     def closing(self, gate: Gate, now: float) -> int | None:
         return min(gate.unpinned_active(), key=lambda k: self._cost(gate, k, now), default=None)

@@ -106,6 +106,12 @@ class Tiers:
     def pin_of(self, name: str) -> str:
         return self.state.pin_of(name)
 
+    def _pin_holders(self, engine_id: int, kind: str = "") -> list[str]:
+        """The names whose applied pin holds ``engine_id`` (of ``kind``, device or host, if given),
+        sorted: several names of the same content share its weights and its pin."""
+        return sorted(n for n, i in self._pinned_ids.items()
+                      if i == engine_id and (not kind or self.state.pin_of(n) == kind))
+
     # -- usage, from the service ----------------------------------------------------------
     def note_request(self, name: str) -> None:
         usage = self.usage.setdefault(name, Usage())
@@ -167,7 +173,7 @@ class Tiers:
                 self._refuse_if_held_on_device(name, adapter.engine_id, "evict it")
             current = (await self.sync()).residency(adapter.engine_id)
             if current.pinned and source == "host":
-                holders = sorted(n for n, i in self._pinned_ids.items() if i == adapter.engine_id)
+                holders = self._pin_holders(adapter.engine_id)
                 if holders and name not in holders:   # the pin is another name's, of the same content
                     raise InvalidRequest(f"{name!r} has the same content as {holders[0]!r}, which is pinned",
                                          f"To evict it, unpin that first: loractl unpin {holders[0]}")
@@ -190,7 +196,7 @@ class Tiers:
         content), or in progress. Called under the lock, which every pin's commit takes."""
         if self._wanted(engine_id) != "device":
             return
-        holders = sorted(n for n, i in self._pinned_ids.items() if i == engine_id and self.state.pin_of(n) == "device")
+        holders = self._pin_holders(engine_id, "device")
         if name in holders:
             raise _pinned_to_device(name, action)
         if holders:
@@ -347,7 +353,7 @@ class Tiers:
         adapter = self.resolver.resolve(name)
         current = self.state.pin_of(name)
         if not current:
-            holders = sorted(n for n, i in self._pinned_ids.items() if i == adapter.engine_id and n != name)
+            holders = [n for n in self._pin_holders(adapter.engine_id) if n != name]
             if holders:   # the same bytes under another name: ls shows the weights pinned
                 raise InvalidRequest(f"{name!r} is not pinned itself; its weights are pinned by {holders[0]!r} "
                                      "(the same content)", f"loractl unpin {holders[0]} releases them.")
