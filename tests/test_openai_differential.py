@@ -114,6 +114,12 @@ def _completion_case(rng: random.Random, model: str) -> dict:
         body |= {"echo": True, "logprobs": rng.choice([0, 1, 5]), "max_tokens": rng.choice([0, 1]), "temperature": 0}
         body.pop("n", None)
         body.pop("min_tokens", None)
+        if isinstance(body["prompt"], list):
+            # One prompt, as lm-eval sends: two prompts asking prompt logprobs in one step kill
+            # vLLM 0.32's own server on the CPU (``einsum(): subscript b has size 2 ... size 5``
+            # in ``punica_cpu.add_lora_logits``: the prompt's rows against one adapter index per
+            # request), whenever both land in the same step. loractl's LoRA ops take that step.
+            body["prompt"] = body["prompt"][0]
     elif extra < 0.6:
         body["logprobs"] = rng.choice([0, 3])
     return body
@@ -225,13 +231,8 @@ def pair(oracle_rig, vllm_server):
 
 
 def _idle(client: httpx.Client, server, timeout: float = 30.0) -> None:
-    """Wait until vLLM's server holds no request. vLLM 0.32's CPU LoRA logits path died twice in
-    loaded full runs (at cases 45 and 55, both ``echo`` with ``logprobs``; never alone):
-    ``einsum(): subscript b has size 2 ... size 5`` in ``punica_cpu.add_lora_logits``, a
-    prompt's rows against one adapter index per request in the step, so a second request was
-    in that step. Which one was not found (the cases run one after another); an idle server
-    before each case leaves none, and ``_oracle`` restarts a server that dies anyway. loractl's
-    own LoRA ops (loractld/worker/cpu_fixes.py) do not die there."""
+    """Wait until vLLM's server holds no request, so each case meets an engine of its own
+    (a request of the last case that its client gave up on would share its steps)."""
     deadline = time.monotonic() + timeout
     pattern = re.compile(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.e+-]+)$", re.M)
     while time.monotonic() < deadline and server.proc.poll() is None:
