@@ -28,8 +28,8 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from loractl import paths
-from loractl.errors import (DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError, PermissionDenied,
-                            from_wire)
+from loractl.errors import (DaemonExited, DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError,
+                            PermissionDenied, from_wire)
 from loractl.multiplexed import Multiplexer
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
@@ -60,6 +60,36 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids, when asked
+
+
+# How long ``wait_ready`` takes a silent socket, with no daemon process holding the home, for a
+# daemon just launched (its imports, before it takes the home's lock); a loaded 2-core machine
+# took up to ~4 s here.
+START_GRACE_S = 15.0
+
+
+class DaemonStarting(DaemonNotRunning):
+    """A loractld process holds the home but does not listen yet (it is importing, or binding)."""
+
+
+def _progress_mark(info: dict[str, Any] | None) -> tuple | None:
+    """What changes when a starting daemon makes progress: its stage, and the count of a stage
+    counted in units of work (steps, tensors, bytes); a stage timed in seconds (the engine's
+    start, measured against the last one) moves by the clock alone, so only entering it counts."""
+    startup = (info or {}).get("startup") or {}
+    if not startup.get("stage"):
+        return None
+    done = startup.get("done") if startup.get("unit") != "s" else None
+    return startup.get("stage"), startup.get("message"), startup.get("detail"), done
+
+
+def local_folder(ref: str) -> str | None:
+    """``ref`` as an absolute folder path when it names one: an existing folder, or anything
+    written as a path (``/``, ``./``, ``../``, ``~``) whether or not it exists, so that a missing
+    folder is reported as "no adapter folder at /abs/path", never as a bad adapter name."""
+    if ref.startswith(("./", "../", "~")) or ref in (".", "..") or (not os.path.isabs(ref) and os.path.isdir(ref)):
+        return str(Path(ref).expanduser().absolute())
+    return ref if os.path.isabs(ref) else None
 
 
 def to_dict(message: Any) -> dict[str, Any]:
@@ -194,6 +224,23 @@ class Client:
                     "to that folder or pass --socket PATH.")
         return f"Start it with: loractld --model demo --socket {self.socket_path}"
 
+    def _not_listening(self) -> DaemonNotRunning:
+        """Why nothing answers at the socket: the last daemon's failure when it left one
+        (:class:`DaemonExited`), a daemon still starting, or none at all."""
+        from loractl import daemon_exit
+
+        layout = paths.layout(self.home)
+        pid = daemon_exit.starting_pid(layout, self.socket_path)
+        if pid is not None:
+            return DaemonStarting(f"loractld (pid {pid}) is starting and does not listen at {self.socket_path} yet",
+                                  "Wait for it: loractl status --wait")
+        record = daemon_exit.read_exit(layout, self.socket_path)
+        if record is not None:
+            log = f" Its log: {record.log}." if record.log else ""
+            return DaemonExited(f"loractld exited {record.ago()}: {record.message}", f"{record.hint}{log}",
+                                exited_at=record.time)
+        return DaemonNotRunning(f"no loractl daemon is listening at {self.socket_path}", self._start_hint())
+
     @asynccontextmanager
     async def _errors(self, prefer_adapter: str | None = None):
         """Pick the daemon (see ``_discover``); translate transport and gRPC failures into
@@ -207,8 +254,7 @@ class Client:
             raise PermissionDenied(f"no permission to use the daemon's socket {self.socket_path}",
                                    permission_hint(Path(self.socket_path))) from e
         except (FileNotFoundError, ConnectionRefusedError) as e:
-            raise DaemonNotRunning(f"no loractl daemon is listening at {self.socket_path}",
-                                   self._start_hint()) from e
+            raise self._not_listening() from e
         except (StreamTerminatedError, ConnectionResetError, BrokenPipeError) as e:
             raise DaemonNotRunning(f"the connection to the daemon at {self.socket_path} was lost: {e}",
                                    "Check whether the daemon is still running (loractl status).") from e
@@ -230,33 +276,57 @@ class Client:
         ``status`` is the daemon's answer (its ``startup`` says what it is doing), None while
         it does not listen yet; once more with the ready status when it was called before, so
         a live display can close its line.
-        ``missing_ok``: a daemon not listening yet (a service starting) counts as starting;
-        otherwise that is :class:`DaemonNotRunning` at once. Past ``timeout`` seconds:
-        :class:`EngineUnavailable`.
+        ``missing_ok``: a daemon not listening yet (a service starting) counts as starting,
+        for as long as a daemon process holds the home, or for ``START_GRACE_S`` when none
+        does yet; otherwise that is :class:`DaemonNotRunning` at once.
+        A daemon that failed meanwhile is :class:`DaemonExited` with its own error, as soon as
+        it exits (loractl/daemon_exit.py). ``timeout`` counts from the daemon's last progress
+        (a new stage, a step, a tensor, a megabyte): a first start that trains for minutes is
+        waited for; one stuck longer than ``timeout`` is :class:`EngineUnavailable`.
         """
         import asyncio
         import time
 
         began = time.monotonic()
+        began_wall = time.time()
+        last_progress, progress_mark = began, None
         waited = False
         while True:
             info = None
+            absent: DaemonNotRunning | None = None   # this poll found nothing listening
             try:
                 info = await self.status()
                 if info["ready"]:
                     if on_wait is not None and waited:
                         on_wait(time.monotonic() - began, info)
                     return info
-            except DaemonNotRunning:
+            except DaemonNotRunning as e:
                 if not missing_ok:
                     raise
                 self.close()  # a fresh connection on the next poll
-            elapsed = time.monotonic() - began
-            if elapsed >= timeout:
-                raise EngineUnavailable(f"the daemon's engine was not ready after {timeout:.0f} s",
-                                        "Its log says why (journalctl --user -u loractld, or where it runs).")
+                absent = e
+                elapsed = time.monotonic() - began
+                if isinstance(e, DaemonExited) and (e.exited_at >= began_wall - 2 or elapsed >= START_GRACE_S):
+                    raise
+                if elapsed >= START_GRACE_S and not isinstance(e, (DaemonExited, DaemonStarting)):
+                    raise DaemonNotRunning(f"{e.message}, and no loractld is starting there", e.hint) from e
+            now = time.monotonic()
+            mark = _progress_mark(info)
+            if mark != progress_mark:
+                last_progress, progress_mark = now, mark
+            if now - last_progress >= timeout:
+                if isinstance(absent, DaemonExited):
+                    raise absent
+                if absent is not None and not isinstance(absent, DaemonStarting):
+                    raise DaemonNotRunning(f"{absent.message}, and no loractld started there within {timeout:.0f} s",
+                                           absent.hint)
+                stage = ((info or {}).get("startup") or {}).get("message") or "starting"
+                raise EngineUnavailable(f"the daemon's engine was not ready after {now - began:.0f} s: no progress "
+                                        f"for {timeout:.0f} s ({stage})",
+                                        "Its log says why (journalctl --user -u loractld, or where it runs); "
+                                        "--timeout waits longer.")
             if on_wait is not None:
-                on_wait(elapsed, info)
+                on_wait(now - began, info)
                 waited = True
             await asyncio.sleep(interval)
 
@@ -301,8 +371,8 @@ class Client:
         """
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
-        if lora and not os.path.isabs(lora) and os.path.isdir(lora):
-            lora = str(Path(lora).absolute())  # a local folder; anything else is a name
+        if lora:
+            lora = local_folder(lora) or lora  # a local folder, made absolute; anything else is a name
         sampling = pb.SamplingParams(stop=stop or [], logit_bias=logit_bias or {}, stop_token_ids=stop_token_ids or [],
                                      ignore_eos=ignore_eos)
         for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("temperature", temperature),
@@ -378,8 +448,7 @@ class Client:
         absolute here). The caller's ``HF_ENDPOINT`` and ``HF_TOKEN`` go along, so a daemon
         started elsewhere (systemd) pulls with the user's credentials.
         """
-        if os.path.isdir(ref) and not os.path.isabs(ref):
-            ref = str(Path(ref).absolute())
+        ref = local_folder(ref) or ref
         request = pb.PullRequest(ref=ref, name=name or "", revision=revision or "", force=force,
                                  hf_endpoint=os.environ.get("HF_ENDPOINT", ""), hf_token=os.environ.get("HF_TOKEN", ""))
         async with self._errors():

@@ -41,6 +41,17 @@ class DaemonNotRunning(LoractlError):
     default_hint = "Start it with: loractld --model demo"
 
 
+class DaemonExited(DaemonNotRunning):
+    """No daemon listens because the last one of this home failed: ``message`` is its error.
+    ``exited_at`` is when (seconds since the epoch; loractl/daemon_exit.py)."""
+
+    kind = "daemon_exited"
+
+    def __init__(self, message: str, hint: str | None = None, *, exited_at: float = 0.0) -> None:
+        super().__init__(message, hint)
+        self.exited_at = exited_at
+
+
 class InvalidRequest(LoractlError):
     kind = "invalid_request"
     grpc_status = Status.INVALID_ARGUMENT
@@ -113,7 +124,7 @@ def one_line(text: str) -> str:
 
 _BY_KIND: dict[str, type[LoractlError]] = {
     cls.kind: cls
-    for cls in (LoractlError, DaemonNotRunning, InvalidRequest, AdapterNotFound, InvalidAdapter,
+    for cls in (LoractlError, DaemonNotRunning, DaemonExited, InvalidRequest, AdapterNotFound, InvalidAdapter,
                 EngineUnavailable, Cancelled, SourceUnavailable, DiskFull, PermissionDenied)
 }
 

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from grpclib.server import Server
 
-from loractl import paths
-from loractl.errors import LoractlError
+from loractl import daemon_exit, paths
+from loractl.errors import EngineUnavailable, LoractlError
 from loractld.engine import pidfile as enginepid
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
@@ -242,10 +242,28 @@ async def serve(settings: DaemonSettings) -> int:
     systemd = SystemdEnv.capture()  # before the engine clears NOTIFY_SOCKET / LISTEN_* for its children
     layout = paths.layout(settings.home)
     sock_path, activated, http_sock, home_lock = _listeners(systemd, settings, layout)
+    daemon_exit.clear_exit(layout)  # this home has a daemon again (loractl/daemon_exit.py)
     try:
         return await _serve_locked(settings, systemd, layout, sock_path, activated, http_sock)
+    except LoractlError as e:
+        failed_exit(layout, str(sock_path), e, systemd)
+        raise
+    except Exception as e:  # a bug: the traceback goes to the log, the CLI gets its last line
+        failed_exit(layout, str(sock_path), EngineUnavailable(
+            f"loractld failed unexpectedly: {type(e).__name__}: {e}",
+            "The daemon's log has the traceback; please report it."), systemd)
+        raise
     finally:
         os.close(home_lock)
+
+
+def failed_exit(layout: paths.Layout, sock_path: str, error: LoractlError, systemd: SystemdEnv | None = None) -> None:
+    """Say why this daemon stops, where the CLI and systemd read it: ``loractl status`` shows
+    the record (loractl/daemon_exit.py), systemd's status line the message."""
+    daemon_exit.record_exit(layout, socket=sock_path, message=error.message, hint=error.hint,
+                            exit_code=error.exit_code, log=daemon_exit.log_destination())
+    if systemd is not None:
+        systemd.notify(f"STATUS=failed: {error.message}", "ERRNO=1")
 
 
 async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: paths.Layout, sock_path: Path,
@@ -324,6 +342,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     exit_code = 0
     engine_task = asyncio.create_task(start_engine())
     stop_task = asyncio.create_task(stop.wait())
+    extender = asyncio.create_task(_extend_start_timeout(systemd, core)) if systemd.notify_socket else None
+    engine_task.add_done_callback(lambda _: extender and extender.cancel())
     try:
         await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set() and not engine_task.done():
@@ -332,6 +352,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             engine = await engine_task
         except LoractlError as e:
             _log.error("%s (hint: %s)", e.message, e.hint)
+            failed_exit(layout, str(sock_path), e, systemd)  # first: a waiting CLI learns it at once
             core.set_failed(e)
             exit_code = 1
         else:
@@ -366,6 +387,9 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             await dynamo.leave()  # the fleet stops routing here before the drain
         if core.engine_died:
             exit_code = 1
+            failed_exit(layout, str(sock_path), EngineUnavailable(
+                "the engine died while serving; the daemon stopped so that its supervisor starts it again",
+                "The log above this line says why (an out-of-memory kill, a crash in vLLM)."), systemd)
         cancelled = await core.drain(settings.shutdown_grace_s)
         if cancelled:
             _log.info("cancelled %d generation(s) still running after %.0f s", cancelled, settings.shutdown_grace_s)
@@ -390,6 +414,25 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             sock_path.unlink(missing_ok=True)  # an activated socket belongs to systemd
         _log.info("stopped")
     return exit_code
+
+
+START_EXTENSION_S = 300  # what each sign of progress adds to systemd's start timeout
+
+
+async def _extend_start_timeout(systemd: SystemdEnv, core: Core) -> None:
+    """While the model is prepared, each sign of progress (a new stage, a step, a tensor, a
+    megabyte) extends systemd's start timeout (``EXTEND_TIMEOUT_USEC``): a first ``--model demo``
+    start that trains for minutes on a loaded machine outlasts ``TimeoutStartSec=600`` and is
+    not killed for it, while a start that stops moving still fails when the extension runs out.
+    The unit's status line shows the stage."""
+    last = None
+    while True:
+        view = core.startup.view()
+        mark = (view.stage, view.message, view.detail, None if view.unit == "s" else view.done)
+        if view.stage and mark != last:
+            systemd.notify(f"EXTEND_TIMEOUT_USEC={START_EXTENSION_S * 1_000_000}", f"STATUS={view.message}")
+            last = mark
+        await asyncio.sleep(5)
 
 
 async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> None:

@@ -21,6 +21,7 @@ from loractld.api import dynamo as dynamo_settings
 from loractld.engine import openai_serving
 from loractld.engine.client import EngineSettings
 from loractld.engine.device import keep_cuda_uninitialized
+from loractld.worker.media_packages import hide_media_packages
 from loractld.lifecycle import DaemonSettings, serve
 
 EPILOG = """\
@@ -184,6 +185,7 @@ def _run(coro):
 
 def main(argv: list[str] | None = None) -> None:
     keep_cuda_uninitialized()  # first: nothing before vLLM's fork may initialize CUDA (engine/device.py)
+    hide_media_packages(children=True)  # before anything imports transformers (worker/media_packages.py)
     try:
         args = config.resolve(build_parser, argv)
     except LoractlError as e:

@@ -49,8 +49,10 @@ async def check(device: str) -> int:
 
 def main() -> None:
     from loractld.engine.device import keep_cuda_uninitialized
+    from loractld.worker.media_packages import hide_media_packages
 
     keep_cuda_uninitialized()  # before the demo build imports torch (engine/device.py)
+    hide_media_packages()
     parser = argparse.ArgumentParser(prog="python -m loractld.selfcheck", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     sys.exit(asyncio.run(check(parser.parse_args().device)))

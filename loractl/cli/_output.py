@@ -19,6 +19,7 @@ from loractl.errors import LoractlError
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.text import Text
 
     from loractl.client import Client
 
@@ -35,19 +36,34 @@ def __getattr__(name: str) -> Console:
     if name not in _consoles:
         from rich.console import Console
 
+        # No markup and no emoji codes: what these consoles print is mostly names, paths, hints and
+        # error text that users and remote sources wrote ('[/subfolder]' ended in a MarkupError);
+        # colour comes from Text styles, or from markup=True over escape()d values (styled()).
         if name == "stdout":
-            _consoles[name] = Console(highlight=False)  # tables must fit the terminal: no soft wrap here
+            _consoles[name] = Console(highlight=False, markup=False, emoji=False)  # tables fit the terminal
         else:
-            _consoles[name] = Console(stderr=True, highlight=False, soft_wrap=True)
+            _consoles[name] = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
     return _consoles[name]
+
+
+def styled(style: str, label: str, text: str = "") -> Text:
+    """``label`` in ``style``, then ``text`` as it is (never read as markup)."""
+    from rich.text import Text
+
+    return Text.assemble((label, style), text)
+
+
+def print_error(error: LoractlError, prefix: str = "loractl: error:") -> None:
+    """A domain error's message and hint on stderr, both printed exactly as they read."""
+    stderr = __getattr__("stderr")
+    stderr.print(styled("bold red", prefix, f" {error.message}"))
+    if error.hint:
+        stderr.print(styled("dim", "hint:", f" {error.hint}"))
 
 
 def fail(error: LoractlError) -> SystemExit:
     """Print a domain error as one line plus a hint; the caller raises the returned exit."""
-    stderr = __getattr__("stderr")
-    stderr.print(f"[bold red]loractl: error:[/] {error.message}", markup=True, highlight=False)
-    if error.hint:
-        stderr.print(f"[dim]hint:[/] {error.hint}", markup=True, highlight=False)
+    print_error(error)
     return SystemExit(error.exit_code)
 
 

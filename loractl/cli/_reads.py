@@ -172,13 +172,14 @@ class Pairs:
             sys.stdout.flush()
             return
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(show_header=False, box=None, pad_edge=False)
         table.add_column(style="bold")
         table.add_column(overflow="fold" if self.fold else "ellipsis")
         for key, value in self.rows:
             colour = (colours or {}).get(value) if key == "state" else None
-            table.add_row(key, f"[{colour}]{value}[/]" if colour else value)
+            table.add_row(key, Text(value, style=colour) if colour else value)
         _print(table)
 
 

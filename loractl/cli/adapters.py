@@ -48,7 +48,7 @@ def pull(
     async def body(client: Client) -> dict[str, Any]:
         final: dict[str, Any] = {}
         tasks: dict[str, Any] = {}
-        with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=stderr, transient=False, disable=json_output) as bars:
             async for event in client.pull(ref, name=name, revision=revision, force=force):
                 stage = event["stage"]

@@ -14,7 +14,7 @@ import typer
 from loractl import paths
 from loractl.cli import _sampling as opts
 from loractl.cli._common import HomeOpt, SocketOpt, stderr
-from loractl.cli._output import cli_errors, waiting_notice
+from loractl.cli._output import cli_errors, print_error, styled, waiting_notice
 from loractl.cli.run import ENGINE_START_TIMEOUT_S
 from loractl.cli._complete import adapter_names
 from loractl.errors import AdapterNotFound, LoractlError
@@ -132,6 +132,8 @@ def chat(
         try:
             # Fails fast, with the usual hint, when no daemon is up; says so while an engine starts.
             runner.run(client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice()))
+            if lora:  # a misspelt name is refused before the prompt opens, with the names meant
+                runner.run(check_adapter(client, lora))
             if not sys.stdin.isatty():
                 text = sys.stdin.read().strip()
                 if not text:
@@ -147,9 +149,12 @@ def chat(
 async def check_adapter(client: Client, name: str) -> None:
     """Raise the error a reply with ``name`` would raise, before any reply: a folder that is not
     there, or a name the store does not hold (with the names the user may have meant)."""
-    if os.path.isabs(name) or name.startswith(".") or os.path.isdir(name):  # a folder, as generate() reads it
-        if not os.path.isdir(name):
-            raise AdapterNotFound(f"no adapter folder at {name}", "Give a PEFT folder that exists, or a store name.")
+    from loractl.client import local_folder
+
+    folder = local_folder(name)
+    if folder is not None:  # a folder, as generate() reads it
+        if not os.path.isdir(folder):
+            raise AdapterNotFound(f"no adapter folder at {folder}", "Give a PEFT folder that exists, or a store name.")
         return
     try:
         await client.show(name)
@@ -187,7 +192,7 @@ def read_message(first: str, read_line=input) -> str:
 def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, sampling: dict,
                  home: str | None) -> None:
     _enable_line_editing(home)
-    stderr.print(f"[dim]chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave[/]")
+    stderr.print(styled("dim", f"chatting with {convo.lora or 'the base model'}; /help for commands, /exit to leave"))
     while True:
         try:
             text = read_message(input(">>> ").strip())
@@ -202,7 +207,7 @@ def _interactive(runner: asyncio.Runner, client: Client, convo: Conversation, sa
                 return
         except KeyboardInterrupt:
             sys.stdout.write("\n")
-            stderr.print("[dim](stopped)[/]")
+            stderr.print(styled("dim", "(stopped)"))
 
 
 def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str, sampling: dict) -> str | None:
@@ -213,10 +218,10 @@ def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str
         if command in ("/exit", "/quit", "/bye"):
             return "exit"
         if command == "/help":
-            stderr.print(HELP, markup=False)
+            stderr.print(HELP)
         elif command == "/reset":
             convo.turns.clear()
-            stderr.print("[dim]conversation cleared[/]")
+            stderr.print(styled("dim", "conversation cleared"))
         elif command == "/lora":
             wanted = arg.strip() or None
             if wanted is not None:
@@ -224,14 +229,13 @@ def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str
                     runner.run(check_adapter(client, wanted))
                 except LoractlError as e:
                     # Refused now, not after the user has typed the next message.
-                    stderr.print(f"[bold red]error:[/] {e.message}")
-                    stderr.print(f"[dim]hint:[/] {e.hint}")
-                    stderr.print(f"[dim]still answering with {convo.lora or 'the base model'}[/]")
+                    print_error(e, "error:")
+                    stderr.print(styled("dim", f"still answering with {convo.lora or 'the base model'}"))
                     return None
             convo.lora = wanted
-            stderr.print(f"[dim]now answering with {convo.lora or 'the base model'}[/]")
+            stderr.print(styled("dim", f"now answering with {convo.lora or 'the base model'}"))
         else:
-            stderr.print(f"[red]unknown command {command}[/]; /help lists them")
+            stderr.print(styled("red", f"unknown command {command}", "; /help lists them"))
         return None
     try:
         runner.run(_reply(client, convo, text, sampling, echo=True))
@@ -239,8 +243,7 @@ def _turn(runner: asyncio.Runner, client: Client, convo: Conversation, text: str
     except LoractlError as e:
         # One failed turn (say, an unknown adapter) must not end the session.
         convo.turns = convo.turns[:-2]
-        stderr.print(f"[bold red]error:[/] {e.message}")
-        stderr.print(f"[dim]hint:[/] {e.hint}")
+        print_error(e, "error:")
     return None
 
 

@@ -21,9 +21,13 @@ app = typer.Typer(
 )
 
 
-def unit_text(name: str, loractld: str) -> str:
-    """A shipped unit with ExecStart pointing at this installation's loractld."""
+def unit_text(name: str, loractld: str, config: Path | None = None) -> str:
+    """A shipped unit with ExecStart pointing at this installation's loractld (and at
+    ``config``, when the config file is not where loractld looks by default)."""
     text = (resources.files("loractld") / "units" / name).read_text()
+    if config is not None:
+        text = text.replace("/usr/local/bin/loractld --config /etc/loractl/loractld.toml", "/usr/local/bin/loractld")
+        loractld = f"{loractld} --config {config}"
     return text.replace("/usr/local/bin/loractld", loractld).replace("%h/.local/bin/loractld", loractld)
 
 
@@ -84,7 +88,7 @@ def install(
     try:
         target.mkdir(parents=True, exist_ok=True)
         for installed, shipped in units.items():
-            text = unit_text(shipped, loractld)
+            text = unit_text(shipped, loractld, config if unit_dir is not None else None)
             if installed == "loractld-http.socket":
                 text = text.replace("ListenStream=127.0.0.1:8000", f"ListenStream={http}")
             (target / installed).write_text(text)
@@ -104,10 +108,17 @@ def install(
     scope = ["--user"] if user else []
     enabled = [u for u in units if u.endswith(".socket")] or ["loractld.service"]
     for args in (["daemon-reload"], ["enable", "--now", *enabled]):
-        result = subprocess.run(["systemctl", *scope, *args], capture_output=True, text=True)
+        try:
+            result = subprocess.run(["systemctl", *scope, *args], capture_output=True, text=True)
+        except FileNotFoundError:
+            result = subprocess.CompletedProcess(args, 127, "", "systemctl: not found (no systemd bus here)")
         if result.returncode != 0:
-            stderr.print(f"systemctl {' '.join(scope + args)} failed: {result.stderr.strip()}")
-            raise typer.Exit(1)
+            no_bus = "bus" in result.stderr.lower() or "not been booted with systemd" in result.stderr
+            hint = ("this machine (or session) runs no systemd manager: start loractld in the foreground "
+                    f"({loractld}), or install with --no-enable and enable it where systemd runs."
+                    if no_bus else f"the unit is written; run systemctl {' '.join(scope + args)} yourself to see why.")
+            raise fail(InvalidRequest(f"systemctl {' '.join(scope + args)} failed: "
+                                      f"{result.stderr.strip() or 'exit ' + str(result.returncode)}", hint[0].upper() + hint[1:]))
     stdout.print(f"enabled {' '.join(enabled)}; follow it with: journalctl {' '.join(scope)} -u loractld -f")
 
 

@@ -38,6 +38,7 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
         sys.stdout.flush()
         return
     from rich.table import Table
+    from rich.text import Text
 
     from loractl.cli._output import stdout
 
@@ -45,8 +46,8 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
     for header, min_width in zip(COLUMNS, min_widths):
         table.add_column(header, no_wrap=True, min_width=min_width)
     for row, state in zip(rows, states):
-        tier = {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]"}.get(state, row[1])
-        table.add_row(row[0], tier, *row[2:])
+        colour = {"failed": "red", "loading": "yellow"}.get(state)
+        table.add_row(row[0], Text(state, style=colour) if colour else row[1], *row[2:])
     stdout.print(table)
 
 

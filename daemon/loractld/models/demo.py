@@ -216,6 +216,9 @@ def _print_progress(stage: str, message: str, **progress) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loractld.worker.media_packages import hide_media_packages
+
+    hide_media_packages()  # this child imports transformers and torch (worker/media_packages.py)
     p = argparse.ArgumentParser(prog="python -m loractld.models.demo",
                                 description="Fetch, convert and train loractl's demo model and adapters.")
     p.add_argument("--data", type=Path, help="data folder (default: LORACTL_HOME's, else the user data dir)")

@@ -347,6 +347,9 @@ def _set_add_bos(folder: Path, add_bos: bool, bos_id: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from loractld.worker.media_packages import hide_media_packages
+
+    hide_media_packages()  # this child imports transformers (worker/media_packages.py)
     p = argparse.ArgumentParser(prog="python -m loractld.models.gguf",
                                 description="Convert a GGUF file into a Hugging Face folder (loractld's GGUF import).")
     p.add_argument("gguf", type=Path)
