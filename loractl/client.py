@@ -22,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from loractl import paths
+from loractl import messages, paths
 from loractl.errors import (DaemonExited, DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError,
                             PermissionDenied, from_wire)
 from loractl.multiplexed import Multiplexer
@@ -94,7 +93,7 @@ def local_folder(ref: str) -> str | None:
 
 def to_dict(message: Any) -> dict[str, Any]:
     """A protobuf message as a plain dict with every field present (stable JSON output)."""
-    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return messages.to_dict(message)
 
 
 def permission_hint(socket_path: Path) -> str:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}\Z")
 _STATUSES = ("ready", "not_ready")
+# The entries' layout; an entry without "format" is format 1. A newer one is skipped by readers.
+REGISTRY_FORMAT = 1
 # How long register_instance retries a busy lock: a reader's probe holds it for microseconds.
 _ACQUIRE_TIMEOUT_S = 0.5
 
@@ -137,7 +139,7 @@ class InstanceHandle:
         self._json = folder / f"{instance_id}.json"
         self._lock_path = folder / f"{instance_id}.lock"
         self._lock_fd: int | None = lock_fd
-        self._doc = {"namespace": namespace, "component": component, "instance_id": instance_id,
+        self._doc = {"format": REGISTRY_FORMAT, "namespace": namespace, "component": component, "instance_id": instance_id,
                      "pid": os.getpid(), "host": socket.gethostname(), "status": "not_ready",
                      "heartbeat": time.time(), "started": time.time(), "metadata": metadata}
         # The heartbeat thread and set_* both write the file; one writer at a time.
@@ -378,6 +380,8 @@ def _read(path: Path, namespace: str, component: str, instance_id: str) -> Insta
         doc = json.loads(path.read_bytes())
         if doc["instance_id"] != instance_id or not isinstance(doc["metadata"], dict):
             return None
+        if int(doc.get("format", 1)) > REGISTRY_FORMAT:
+            return None  # a newer release's entry: not misread, not deleted (its writer is alive)
         return Instance(namespace=namespace, component=component, instance_id=instance_id,
                         status=str(doc["status"]), heartbeat=float(doc["heartbeat"]), pid=int(doc["pid"]),
                         host=str(doc["host"]), path=path, started=float(doc.get("started", 0.0)),

@@ -180,3 +180,16 @@ def test_read_message_joins_lines_as_typed():
     assert read_message('"""', lines("a", "b", '"""')) == "a\nb"
     assert read_message('"""a', lines('b"""')) == "a\nb"
     assert read_message('"""one line"""') == "one line"
+
+
+def test_a_misspelt_adapter_is_refused_before_the_prompt_opens_with_the_names_meant(daemon, demo):
+    """``chat --lora pirat/v1`` opened the prompt before it checked the name; ``run`` suggested
+    pulling under the misspelt name beside the name that was meant."""
+    assert run_cli("pull", str(demo / "adapters" / "sql-expert" / "v1"), "--name", "chat-sql/v1",
+                   "--socket", str(daemon.socket)).returncode == 0
+    chat = run_cli("chat", "--lora", "chat-sql/v2", "--socket", str(daemon.socket), input="hello\n")
+    assert chat.returncode == 4 and chat.stdout == "", (chat.stdout, chat.stderr)
+    assert "no adapter named 'chat-sql/v2'" in chat.stderr and "Did you mean 'chat-sql/v1'?" in chat.stderr
+    run = run_cli("run", "--lora", "chat-sql/v2", "hello", "--socket", str(daemon.socket))
+    assert run.returncode == 4 and "Did you mean 'chat-sql/v1'?" in run.stderr
+    assert "--name chat-sql/v2" not in run.stderr, run.stderr

@@ -41,6 +41,11 @@ def test_registry_publishes_the_lora_schema(daemon, demo):
     assert lora["capacity"]["loaded_count"] + lora["capacity"]["available_slots"] == 2
     listed = json.loads(run_cli("instances", "--json", "--home", str(daemon.home)).stdout)
     assert instance.instance_id in {i["instance_id"] for i in listed}
+    # Into an 80-column pipe: one whole line per instance, names never split.
+    table = run_cli("instances", "--home", str(daemon.home), env={"COLUMNS": "80"}).stdout.splitlines()
+    assert table[0].split() == ["INSTANCE", "STATUS", "MODEL", "ON", "DEVICE", "SINCE"]
+    row = next(line for line in table if line.startswith(instance.instance_id))
+    assert "reg-poet/v1" in row and "ready" in row, table
 
 
 def test_sigkill_mid_generation_then_restart(home, demo, reference):

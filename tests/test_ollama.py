@@ -210,6 +210,11 @@ def test_chat_and_generate_equal_the_reference(api, demo, reference, adapter):
     assert whole.message.content == want and whole.done and whole.model == name
     assert whole.done_reason == ("length" if len(ids) == TOKENS else "stop") and whole.eval_count == len(ids)
     assert whole.prompt_eval_count == len(reference.chat_ids(PROMPT)) and whole.total_duration > 0
+    # A whole answer splits its time at its first token, as a streamed one does (all of it went to
+    # prompt_eval_duration, and clients computed ~900,000 tokens/s from eval_duration).
+    assert 0 < whole.prompt_eval_duration < whole.total_duration and whole.eval_duration > 0
+    if whole.eval_count > 1:
+        assert whole.eval_count / (whole.eval_duration / 1e9) < 20_000, whole
     parts = list(client(api).chat(name, messages=messages, options=options, stream=True))
     assert "".join(p.message.content for p in parts) == want and parts[-1].done and not parts[0].done
     assert parts[-1].eval_count == whole.eval_count and parts[-1].eval_duration > 0

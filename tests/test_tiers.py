@@ -466,13 +466,15 @@ def test_top_shows_a_request_waiting_for_a_slot_and_quits_on_q(tiered):
                 await asyncio.to_thread(screen.expect, rf"({re.escape(NAMES[1])}|{re.escape(NAMES[2])}) +1 +0 +- +[1-9]")
                 await asyncio.to_thread(screen.expect, r"\d\d:\d\d:\d\d  \S+ -> device")
                 piped = await asyncio.to_thread(run_cli, "top", "-n", "2", "-d", "0.5", "--socket", str(tiered.socket))
+                # One frame, in a script: its tokens/s is measured already (it showed 0.0).
+                once = await asyncio.to_thread(run_cli, "top", "-n", "1", "--socket", str(tiered.socket))
             finally:
                 stop.set()
                 await asyncio.gather(*loops)
-            return piped
+            return piped, once
 
     try:
-        piped = asyncio.run(go())
+        piped, once = asyncio.run(go())
         assert seen.getvalue().decode().count("\x1b[H\x1b[2J") >= 2  # redrawn in place
         assert re.search(rf"device +2/2 slots +[^\r]*{re.escape(NAMES[0])} \[pin device\]", seen.getvalue().decode())
         screen.send("q")
@@ -484,6 +486,10 @@ def test_top_shows_a_request_waiting_for_a_slot_and_quits_on_q(tiered):
         cli(tiered, "unpin", NAMES[0])
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout.count("loractl top - loractl/demo-tiny-llama on cpu") == 2 and "\x1b" not in piped.stdout
+    assert once.returncode == 0 and once.stdout.count("loractl top - ") == 1, once.stderr
+    rates = [float(m) for m in re.findall(rf"^(?:{re.escape(NAMES[1])}|{re.escape(NAMES[2])}) .* (\d+\.\d)$",
+                                          once.stdout, re.M)]
+    assert rates and max(rates) > 0, once.stdout
 
 
 def test_every_tier_change_under_thrash_is_reported_in_order(tiered):

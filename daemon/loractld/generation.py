@@ -53,8 +53,9 @@ class UnknownModel(AdapterNotFound):
     """A name that is neither the base model nor a stored adapter; ``close_matches`` may help."""
 
     def __init__(self, name: str, close_matches: list[str]) -> None:
-        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? " if close_matches else "") + \
-            f"Pull it first: loractl pull REF --name {name} (loractl ls lists the store)."
+        # With a close match the name was most likely misspelt: no advice to pull under it.
+        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? loractl ls lists the store."
+                if close_matches else f"Pull it first: loractl pull REF --name {name} (loractl ls lists the store).")
         super().__init__(f"no adapter named {name!r} in the store", hint)
         self.name = name
         self.close_matches = close_matches

@@ -41,6 +41,7 @@ from loractld.store.preflight import Preflight
 from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
+from loractld.store import formats
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
 from loractld.serving.pins import PersistentState
@@ -168,7 +169,29 @@ def resolve_model(model: str, home: str | None, report: Report | None = None) ->
             return str(ensure_converted(download_hub_gguf(repo, filename), layout.models_dir, name_or_path=repo,
                                         report=report))
         return str(ensure_converted(Path(model), layout.models_dir, report=report))
+    check_model_folder(model)
     return model
+
+
+def check_model_folder(model: str) -> None:
+    """Refuse at once, in one short line, a --model written as a path that names no model
+    folder: vLLM would take it for a Hub repo id (seconds of look-ups, then a message about
+    repo ids), or fail deep in its config parsing with a message hundreds of characters long."""
+    from loractld.models.gguf import ModelRefused
+
+    path = Path(model).expanduser()
+    looks_like_path = model.startswith(("/", "./", "../", "~")) or model in (".", "..") or path.exists()
+    if not looks_like_path:
+        return  # a Hub repo id: vLLM resolves it
+    if not path.exists():
+        raise ModelRefused(f"no model folder at {path.absolute()}",
+                           "Check the path; --model takes a model folder, a Hub repo id, a .gguf file, 'demo' or 'tiny'.")
+    if not path.is_dir():
+        raise ModelRefused(f"{path} is a file, not a model folder",
+                           "Pass the folder that holds config.json, or a .gguf file.")
+    if not (path / "config.json").is_file():
+        raise ModelRefused(f"{path} is not a model folder: it has no config.json",
+                           "Pass the folder that holds the model's config.json and weights (a Hugging Face folder).")
 
 
 def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catalog:
@@ -177,6 +200,7 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     store = Store(store_dir)
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
+    store.stamp_format()
 
     def validate(folder: Path, force: bool):
         return validate_adapter(folder, max_lora_rank=settings.engine.max_lora_rank, base_shapes=base.shapes,
@@ -244,6 +268,7 @@ async def serve(settings: DaemonSettings) -> int:
     sock_path, activated, http_sock, home_lock = _listeners(systemd, settings, layout)
     daemon_exit.clear_exit(layout)  # this home has a daemon again (loractl/daemon_exit.py)
     try:
+        formats.check_home(layout.store_dir, layout.state_dir / "state.json")  # before anything is touched
         return await _serve_locked(settings, systemd, layout, sock_path, activated, http_sock)
     except LoractlError as e:
         failed_exit(layout, str(sock_path), e, systemd)

@@ -185,7 +185,6 @@ def reply(socket: str | None, home: str | None, method: str, request, reply_type
     answer = unary(path, method, request.SerializeToString())
     if answer is None:
         return None
-    from google.protobuf.json_format import MessageToDict
+    from loractl.messages import to_dict
 
-    return MessageToDict(reply_type.FromString(answer), preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+    return to_dict(reply_type.FromString(answer))

@@ -9,6 +9,25 @@ import typer
 from loractl import __version__
 from loractl.cli import adapters, chat, daemon_cmd, instances, run, status, tiers, top
 
+
+def _flags_take_no_value() -> None:
+    """Typer 0.29 prints a type beside every option, '<bool>' beside a flag that takes no value
+    (``--raw <bool>`` reads as if it wanted one). A flag gets no type column."""
+    from typer.core import TyperOption
+
+    if getattr(TyperOption.display_type_rich, "loractl", False):
+        return
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.loractl = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
 app = typer.Typer(
     name="loractl",
     help="Manage LoRA adapters on a local vLLM engine (the loractld daemon).\n\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import sys
 
 import typer
 
@@ -29,17 +30,26 @@ def instances(home: HomeOpt = None, json_output: JsonOpt = False) -> None:
     if not found:
         stderr.print("no loractld instances are running; start one with: loractld --model demo")
         return
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("INSTANCE", "STATUS", "MODEL", "ON DEVICE", "SINCE"):
-        table.add_column(column, no_wrap=column != "ON DEVICE", overflow="fold")
+    columns = ("INSTANCE", "STATUS", "MODEL", "ON DEVICE", "SINCE")
+    rows = []
     for i in found:
         meta = i["metadata"]
         loaded = meta.get("lora", {}).get("loaded_loras", [])
         since = datetime.datetime.fromtimestamp(i["started"]).strftime("%H:%M:%S") if i["started"] else "-"
-        table.add_row(i["instance_id"], i["status"], str(meta.get("model", "-")),
-                      ", ".join(loaded) or "-", since)
+        rows.append((i["instance_id"], i["status"], str(meta.get("model", "-")), ", ".join(loaded) or "-", since))
+    if not sys.stdout.isatty():
+        # A pipe gets whole lines, however long: a name split across two lines is no name to grep.
+        widths = [max(len(r[n]) for r in [columns, *rows]) for n in range(len(columns))]
+        for row in [columns, *rows]:
+            sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in columns:
+        table.add_column(column, no_wrap=column != "ON DEVICE", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
     stdout.print(table)
 
 

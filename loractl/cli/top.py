@@ -137,7 +137,10 @@ async def _watch(socket: str | None, home: str | None, interval: float, iteratio
     async with Client(socket, home=home) as client, Client(socket, home=home) as events:
         await client.status()  # no daemon: the usual one-line error, before the screen is taken
         follower = asyncio.create_task(_follow(events, moves))
-        previous: tuple[float, dict[str, float]] | None = None
+        # A rate needs two readings: the first frame (all that --iterations 1 prints) measures
+        # from one taken a moment before it, not from nothing (it showed 0.0 tokens/s).
+        previous: tuple[float, dict[str, float]] | None = (time.monotonic(), parse_metrics(await client.metrics())[0])
+        await asyncio.sleep(min(interval, 1.0))
         shown = 0
         with _Keys() as keys:
             if live:

@@ -282,6 +282,15 @@ class Core(DiskOps):
             self._openai = (engine, surface)
         return self._openai[1]
 
+    @staticmethod
+    def answer_first_token_ns() -> int | None:
+        """When the HTTP request this task serves had its first generated token
+        (``time.perf_counter_ns()``), or None before it (or outside one)."""
+        from loractld.engine.openai_serving import CURRENT
+
+        scope = CURRENT.get()
+        return scope.first_token_ns if scope is not None else None
+
     def _generated(self, label: tuple, tokens: int) -> None:
         self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
         ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token

@@ -27,6 +27,7 @@ import contextvars
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,7 @@ class RequestScope:
     name: str | None = None      # the store name, when the adapter came from the store
     lora_request: Any = None
     counted: list[int] = field(default_factory=list)
+    first_token_ns: int | None = None   # time.perf_counter_ns() at its first generated token
 
 
 CURRENT: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("loractl_openai_scope", default=None)
@@ -190,6 +192,14 @@ class AdmittedEngineClient:
                 adapter is not None and lora_request.lora_int_id != adapter.engine_id):
             raise RuntimeError("an engine request for an adapter its HTTP request did not resolve")
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        # A whole answer (FINAL_ONLY, stream: false) is followed step by step, as CUMULATIVE, and
+        # only its final output is handed on: its first token is seen when it comes (Ollama's
+        # prompt_eval_duration, the gate's hand-over measure), and its tokens are counted as they
+        # are made. One sequence only: with n > 1 the final outputs are aggregated by vLLM.
+        final_only = sampling_params.output_kind == RequestOutputKind.FINAL_ONLY and sampling_params.n == 1
+        if final_only:
+            sampling_params = sampling_params.clone()
+            sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         engine = self._engine
         async with self._admit(adapter, scope.name if scope else None) as label:
             engine_ids: list[str] = []
@@ -203,12 +213,19 @@ class AdmittedEngineClient:
                 if adapter is not None:
                     engine._refuse_if_broken(adapter)   # its stand-in's tokens never reach the client
                 tokens = sum(len(o.token_ids) for o in out.outputs)
+                if tokens and scope is not None and scope.first_token_ns is None:
+                    scope.first_token_ns = time.perf_counter_ns()
                 if delta:
                     self._count(label, tokens)
+                elif final_only:
+                    self._count(label, tokens - produced)
+                    produced = tokens
+                    if not out.finished:
+                        continue
                 else:
                     produced = tokens
                 yield out
-            if not delta and produced:
+            if not delta and not final_only and produced:
                 self._count(label, produced)
 
 

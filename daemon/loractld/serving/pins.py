@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from loractld.store.disk import write_json_atomic
+from loractld.store.formats import STATE_FORMAT
 
 _log = logging.getLogger("loractld.tiers")
 
@@ -45,4 +46,4 @@ class PersistentState:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"pins": self.pins, "device_pins": self.device_pins})
+        write_json_atomic(self.path, {"format": STATE_FORMAT, "pins": self.pins, "device_pins": self.device_pins})

@@ -44,6 +44,8 @@ from pathlib import Path
 from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, InvalidRequest, LoractlError
 from loractl.names import NAME_RE, validate_name
 from loractld import killpoints, testhooks
+from loractl import __version__
+from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
 from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
@@ -140,6 +142,13 @@ class Store:
                 folder.rmdir()
                 removed.append(str(folder))
         return removed
+
+    def stamp_format(self) -> None:
+        """Write the store's format marker where it has none (loractld/store/formats.py): a store
+        without one is of this release's layout, which ``formats.check_home`` has just allowed."""
+        marker = self.root / STORE_MARKER
+        if not marker.exists():
+            write_json_atomic(marker, {"format": STORE_FORMAT, "written_by": f"loractl {__version__}"})
 
     # -- reading ------------------------------------------------------------------------
     def _links(self) -> list[Path]:
@@ -319,7 +328,7 @@ class Store:
             raise InvalidAdapter(f"{name!r} is an adapter placed by hand in {entry}",
                                  "Remove that folder, or pull under another --name.")
         records = [r for r in manifest["files"]]
-        manifest = {**manifest, "revision_digest": files_digest(records)}
+        manifest = {**manifest, "format": MANIFEST_FORMAT, "revision_digest": files_digest(records)}
         obj = self.objects / f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
         with self.lock:
             self.leases.installing.add(str(obj))

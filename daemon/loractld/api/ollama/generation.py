@@ -110,6 +110,7 @@ class Generation:
         except HttpError as e:
             raise in_ollamas_words(e) from None
         if isinstance(result, dict):
+            clock.first = self.core.answer_first_token_ns()   # a whole answer: when its first token came
             out = answer(kind, name, result, clock)
             await effect.after()
             if body.get("stream"):

@@ -1,0 +1,146 @@
+"""The built wheel, installed as users install it, works without the repository (issue 45,
+item 3): ``pip install 'loractl-0.1.0-py3-none-any.whl[cpu]'`` into a fresh venv (whatever
+vLLM's CPU wheel pulls beside it: CUDA builds of torchvision, an older torchaudio, triton), then
+from an empty folder: ``loractld --model tiny`` and ``--model demo``, ``status``, ``run``,
+``pull`` of a folder, the man pages and completions where the README says they go, and
+``daemon install`` writing a unit that runs the installed scripts with the config it wrote.
+
+The wheel is built once per run; the venv installs from pip's cache. Answers are checked
+against HF + PEFT in float32 (``conftest.Reference``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ENGINE_FLAGS, REAL_DEMO_CACHE, REPO, Reference, adapter_folder
+from test_first_run import user_environment
+
+INSTALL_TIMEOUT_S = 1200
+
+
+@pytest.fixture(scope="module")
+def installed():
+    """(venv folder, empty working folder) with the wheel and its ``cpu`` extra installed."""
+    root = Path(tempfile.mkdtemp(prefix="lcwh-", dir="/tmp"))
+    try:
+        dist = root / "dist"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+                        "-w", str(dist), str(REPO)], check=True, capture_output=True, timeout=600)
+        wheel = next(dist.glob("loractl-*.whl"))
+        venv = root / "venv"
+        python = shutil.which("python3.11") or shutil.which("python3")
+        subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=120)
+        result = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                                 f"{wheel}[cpu]"], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        empty = root / "empty"
+        empty.mkdir()
+        yield venv, empty, root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _cli(venv: Path, cwd: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(venv / "bin" / "loractl"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _serve(venv: Path, cwd: Path, env: dict, *args: str) -> subprocess.Popen:
+    log = open(Path(env["LORACTL_HOME"]) / "loractld.log", "wb")
+    return subprocess.Popen([str(venv / "bin" / "loractld"), *args], cwd=cwd, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(daemon: subprocess.Popen, home: Path) -> str:
+    if daemon.poll() is None:
+        daemon.terminate()
+    daemon.wait(60)
+    return (home / "loractld.log").read_text(errors="replace")[-3000:]
+
+
+def test_the_wheel_serves_the_tiny_model_from_an_empty_folder(installed):
+    venv, empty, root = installed
+    home = root / "home-tiny"
+    env = user_environment(home)
+    home.mkdir()
+    daemon = _serve(venv, empty, env, "--model", "tiny", *ENGINE_FLAGS)
+    try:
+        waited = _cli(venv, empty, env, "status", "--wait", "--timeout", "300")
+        assert waited.returncode == 0, (waited.stderr, _stop(daemon, home))
+        ref = Reference(home / "tiny" / "model")
+        answer = _cli(venv, empty, env, "run", "-t", "0", "-n", "8", "hello")
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout == ref.text(ref.greedy(ref.chat_ids("hello"), None, 8)) + "\n"
+        folder = adapter_folder(home / "tiny", "sql-expert")
+        pulled = _cli(venv, empty, env, "pull", str(folder), "--name", "sql-expert/v1")
+        assert pulled.returncode == 0 and "success: sql-expert/v1" in pulled.stdout, pulled.stderr
+        answer = _cli(venv, empty, env, "run", "--lora", "sql-expert/v1", "-t", "0", "-n", "8", "hello")
+        assert answer.stdout == ref.text(ref.greedy(ref.chat_ids("hello"), folder, 8)) + "\n", answer.stderr
+        assert _cli(venv, empty, env, "status").returncode == 0
+    finally:
+        log = _stop(daemon, home)
+    assert daemon.returncode == 0, log
+    assert "Traceback" not in log, log
+    assert os.listdir(empty) == [], "the daemon or the CLI wrote into the working folder"
+
+
+def test_the_wheel_installs_man_pages_completions_and_a_unit_for_its_scripts(installed):
+    venv, empty, root = installed
+    for path in ("share/man/man1/loractl.1", "share/man/man8/loractld.8", "share/bash-completion/completions/loractl",
+                 "share/zsh/site-functions/_loractl", "share/fish/vendor_completions.d/loractl.fish"):
+        assert (venv / path).is_file() and (venv / path).stat().st_size > 0, path
+        assert (venv / path).read_bytes() == (REPO / {"loractl.1": "man/loractl.1", "loractld.8": "man/loractld.8",
+                                                       "loractl": "completions/loractl.bash",
+                                                       "_loractl": "completions/_loractl",
+                                                       "loractl.fish": "completions/loractl.fish"}[
+                                                           Path(path).name]).read_bytes(), path
+    units = root / "units"
+    env = user_environment(root / "home-unit")
+    made = _cli(venv, empty, env, "daemon", "install", "--user", "--model", "tiny", "--unit-dir", str(units))
+    assert made.returncode == 0, made.stderr
+    unit = (units / "loractld.service").read_text()
+    assert f"ExecStart={venv / 'bin' / 'loractld'} --config {units / 'loractld.toml'}\n" in unit, unit
+    assert 'model = "tiny"' in (units / "loractld.toml").read_text()
+    # The config it points at is one the installed loractld reads, with the model in it.
+    read = ("from loractld import config; from loractld.main import build_parser; "
+            f"print(config.resolve(build_parser, ['--config', {str(units / 'loractld.toml')!r}]).model)")
+    check = subprocess.run([str(venv / "bin" / "python"), "-c", read], capture_output=True, text=True, cwd=empty,
+                           env=env, timeout=60)
+    assert check.returncode == 0 and check.stdout == "tiny\n", check.stderr
+
+
+def test_the_wheel_serves_the_demo_model_from_an_empty_folder(installed, real_demo):
+    """``--model demo`` from the wheel: its training data and units ship inside the package (the
+    adapters' keys are computed from the data). The demo build is the suite's, shared."""
+    venv, empty, root = installed
+    home = root / "home-demo"
+    home.mkdir()
+    for part in ("demo", "models"):
+        (home / part).symlink_to(REAL_DEMO_CACHE / part)
+    env = user_environment(home)
+    began = time.monotonic()
+    daemon = _serve(venv, empty, env, "--model", "demo")
+    try:
+        waited = _cli(venv, empty, env, "status", "--wait", "--timeout", "600", timeout=900)
+        assert waited.returncode == 0, (waited.stderr, _stop(daemon, home))
+        assert "training" not in waited.stderr, "the demo was trained again instead of found"
+        folder = real_demo["adapters"]["sql-expert/v1"]
+        assert _cli(venv, empty, env, "pull", str(folder), "--name", "sql-expert/v1").returncode == 0
+        ref = Reference(real_demo["model"])
+        prompt = "List all users older than 30"
+        answer = _cli(venv, empty, env, "run", "--lora", "sql-expert/v1", "-t", "0", "-n", "16", prompt)
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout == ref.text(ref.greedy(ref.chat_ids(prompt), folder, 16)) + "\n"
+        assert "SELECT" in answer.stdout
+    finally:
+        log = _stop(daemon, home)
+    assert daemon.returncode == 0 and "Traceback" not in log, log
+    assert time.monotonic() - began < 600
