@@ -493,11 +493,12 @@ class Client:
         async with self._errors():
             return to_dict(await self.stub.Unpin(pb.NameRequest(name=name), timeout=self.timeout))
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Lifecycle events as they happen, until the caller stops iterating."""
+    async def events(self, history: int = 0) -> AsyncIterator[dict[str, Any]]:
+        """Lifecycle events as they happen, until the caller stops iterating; first the last
+        ``history`` events the daemon kept (a daemon older than that field sends none)."""
         async with self._errors():
             async with self.stub.Events.open() as stream:
-                await stream.send_message(pb.EventsRequest(), end=True)
+                await stream.send_message(pb.EventsRequest(history=history), end=True)
                 async for event in stream:
                     yield to_dict(event)
 

@@ -550,3 +550,24 @@ def test_every_tier_change_under_thrash_is_reported_in_order(tiered):
             tier.remove(name)
     assert (host, device) == after
     assert {"lazy", "lru", "explicit"} <= reasons, reasons
+
+
+def test_events_show_what_happened_before_the_command_started(daemon, demo):
+    """``loractl events`` replays the most recent events the daemon kept, then follows: run after
+    the fact it showed nothing and looked hung."""
+    pulled = run_cli("pull", str(demo / "adapters" / "poet" / "v1"), "--name", "hist-poet/v1",
+                     "--socket", str(daemon.socket))
+    assert pulled.returncode == 0, pulled.stderr
+
+    async def replayed() -> list[dict]:
+        seen = []
+        async with daemon.client() as client:
+            stream = client.events(history=256)
+            while not any(e["kind"] == "DOWNLOADED_TO_DISK" and e["adapter"] == "hist-poet/v1" for e in seen):
+                seen.append(await asyncio.wait_for(anext(stream), 10))
+            await stream.aclose()
+        return seen
+
+    assert asyncio.run(replayed())[-1]["adapter"] == "hist-poet/v1"
+    shown = run_cli("events", "--history", "256", "-n", "1", "--json", "--socket", str(daemon.socket), timeout=30)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["kind"], shown.stderr

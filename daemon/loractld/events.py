@@ -31,20 +31,28 @@ class Event:
 
 
 class EventBus:
+    """Fans events out to subscribers, and keeps the last ``backlog`` for a subscriber that asks
+    what happened before it came (``loractl events`` shows them first)."""
+
     def __init__(self, backlog: int = 256) -> None:
         self._subscribers: set[asyncio.Queue] = set()
         self._backlog = backlog
+        self._recent: collections.deque[Event] = collections.deque(maxlen=backlog)
 
     def publish(self, event: Event) -> None:
         assert event.kind in KINDS, event.kind
         _log.info("%s %s%s", event.kind, event.adapter, f" ({event.reason})" if event.reason else "")
+        self._recent.append(event)
         for queue in list(self._subscribers):
             if queue.full():
                 queue.get_nowait()
             queue.put_nowait(event)
 
-    def subscribe(self) -> asyncio.Queue:
+    def subscribe(self, history: int = 0) -> asyncio.Queue:
+        """A queue of the events from now on, after the last ``history`` ones kept."""
         queue: asyncio.Queue = asyncio.Queue(self._backlog)
+        for event in list(self._recent)[-history:] if history > 0 else ():
+            queue.put_nowait(event)
         self._subscribers.add(queue)
         return queue
 

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stdout, with_client
+from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, human_bytes, print_json, stderr, stdout, with_client
+from loractl.cli._output import styled
 from loractl.cli._complete import adapter_names
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ def unpin(name: NameArg, socket: SocketOpt = None, home: HomeOpt = None, json_ou
 
 def events(
     count: Annotated[int, typer.Option("--count", "-n", min=0, help="Stop after this many events (0: never).")] = 0,
+    history: Annotated[int, typer.Option("--history", min=0, max=256,
+                                         help="First show this many of the most recent events (0: only new ones).")] = 20,
     socket: SocketOpt = None, home: HomeOpt = None,
     json_output: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
@@ -116,12 +119,14 @@ def events(
 
         loractl events
 
-        loractl events --json -n 10
+        loractl events --history 0 --json -n 10     # the next ten, in a script
     """
 
     async def follow(client: Client) -> None:
         seen = 0
-        async for event in client.events():
+        if sys.stderr.isatty() and not json_output:   # a quiet daemon must not look like a hung command
+            stderr.print(styled("dim", f"following loractld's events, after the {history} most recent; Ctrl-C stops"))
+        async for event in client.events(history):
             if json_output:
                 sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
             else:

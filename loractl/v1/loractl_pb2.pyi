@@ -473,8 +473,10 @@ class PinRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., to: _Optional[str] = ...) -> None: ...
 
 class EventsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: int
+    def __init__(self, history: _Optional[int] = ...) -> None: ...
 
 class LifecycleEvent(_message.Message):
     __slots__ = ("kind", "adapter", "reason", "message", "time")

@@ -261,8 +261,8 @@ class LoractlService(LoractlBase):
 
     @domain_errors
     async def Events(self, stream) -> None:
-        await stream.recv_message()
-        async for event in self.core.watch_events():
+        request: pb.EventsRequest = await stream.recv_message()
+        async for event in self.core.watch_events(request.history):
             await stream.send_message(pb.LifecycleEvent(kind=event.kind, adapter=event.adapter, reason=event.reason,
                                                         message=event.message, time=event.time))
 

@@ -464,9 +464,9 @@ class Core(DiskOps):
         await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
 
     # -- watching -------------------------------------------------------------------------
-    async def watch_events(self) -> AsyncIterator[Event]:
-        """Lifecycle events as they happen, until the daemon drains."""
-        queue = self.events.subscribe()
+    async def watch_events(self, history: int = 0) -> AsyncIterator[Event]:
+        """Lifecycle events as they happen (after the last ``history`` ones), until the daemon drains."""
+        queue = self.events.subscribe(history)
         try:
             while not self.draining:
                 yield await queue.get()
