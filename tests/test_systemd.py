@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, ENGINE_FLAGS, run_cli, sub_home
+from test_errors import short_dir  # noqa: F401 - a fixture
 from loractl.errors import InvalidRequest
 from loractld import config
 from loractld.main import build_parser
@@ -85,6 +86,8 @@ def test_notify_and_socket_activation(home):
         ready = next(i for i, m in enumerate(messages) if "READY=1" in m)
         assert "STATUS=ready" in messages[ready]
         assert any("STATUS=starting" in m for m in messages[:ready])
+        # Each start-up stage extends systemd's start timeout (a first demo start trains for minutes).
+        assert any(m.startswith("EXTEND_TIMEOUT_USEC=300000000\nSTATUS=starting the engine") for m in messages[:ready])
         assert any(m == "WATCHDOG=1" for m in messages[ready:])
         assert run_cli("status", "--json", "--socket", str(sock)).returncode == 0
         os.killpg(proc.pid, 15)
@@ -100,6 +103,34 @@ def test_notify_and_socket_activation(home):
             os.killpg(proc.pid, 9)
         listener.close()
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_a_failed_start_tells_systemd_why_and_never_says_ready(short_dir):
+    """Type=notify: a start that fails sends its reason as the unit's status (and ERRNO), never
+    READY=1, and exits 1, so the unit fails with the reason in the journal."""
+    notify_path = short_dir / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(0.5)
+    bad = short_dir / "m.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(1020))
+    try:
+        result = subprocess.run([str(BIN / "loractld"), "--model", str(bad), "--home", str(short_dir)],
+                                env={**os.environ, "NOTIFY_SOCKET": str(notify_path)}, capture_output=True,
+                                text=True, timeout=120)
+        messages = []
+        while True:
+            try:
+                messages.append(listener.recv(4096).decode())
+            except TimeoutError:
+                break
+    finally:
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    assert not any("READY=1" in m for m in messages), messages
+    failed = [m for m in messages if m.startswith("STATUS=failed: ")]
+    assert failed and "is not a readable GGUF file" in failed[0] and "ERRNO=1" in failed[0], messages
+    assert "is not a readable GGUF file" in result.stderr   # what the journal keeps
 
 
 def test_config_precedence(tmp_path, monkeypatch):

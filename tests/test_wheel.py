@@ -10,17 +10,21 @@ against HF + PEFT in float32 (``conftest.Reference``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import ENGINE_FLAGS, REAL_DEMO_CACHE, REPO, Reference, adapter_folder
+from hub_stub import HubStub
 from test_first_run import user_environment
 
 INSTALL_TIMEOUT_S = 1200
@@ -66,12 +70,22 @@ def _stop(daemon: subprocess.Popen, home: Path) -> str:
     return (home / "loractld.log").read_text(errors="replace")[-3000:]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_the_wheel_serves_the_tiny_model_from_an_empty_folder(installed):
+    """The daemon's run-time paths in the environment the wheel's ``cpu`` extra makes: the tiny
+    model's build, the engine, a folder pull, a Hub pull (a local stand-in for the Hub) and the
+    OpenAI HTTP API (``--http``)."""
     venv, empty, root = installed
     home = root / "home-tiny"
     env = user_environment(home)
     home.mkdir()
-    daemon = _serve(venv, empty, env, "--model", "tiny", *ENGINE_FLAGS)
+    port = _free_port()
+    daemon = _serve(venv, empty, env, "--model", "tiny", "--http", f"127.0.0.1:{port}", *ENGINE_FLAGS)
     try:
         waited = _cli(venv, empty, env, "status", "--wait", "--timeout", "300")
         assert waited.returncode == 0, (waited.stderr, _stop(daemon, home))
@@ -85,6 +99,18 @@ def test_the_wheel_serves_the_tiny_model_from_an_empty_folder(installed):
         answer = _cli(venv, empty, env, "run", "--lora", "sql-expert/v1", "-t", "0", "-n", "8", "hello")
         assert answer.stdout == ref.text(ref.greedy(ref.chat_ids("hello"), folder, 8)) + "\n", answer.stderr
         assert _cli(venv, empty, env, "status").returncode == 0
+        poet = adapter_folder(home / "tiny", "poet")
+        with HubStub() as hub:
+            hub.add_commit("acme/poet-lora", {p.name: p.read_bytes() for p in poet.iterdir() if p.is_file()})
+            pulled = _cli(venv, empty, {**env, "HF_ENDPOINT": hub.endpoint}, "pull", "acme/poet-lora")
+        assert pulled.returncode == 0 and "success: acme/poet-lora" in pulled.stdout, pulled.stderr
+        body = json.dumps({"model": "acme/poet-lora", "messages": [{"role": "user", "content": "hello"}],
+                           "temperature": 0, "max_tokens": 8}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            content = json.loads(reply.read())["choices"][0]["message"]["content"]
+        assert content == ref.text(ref.greedy(ref.chat_ids("hello"), poet, 8))
     finally:
         log = _stop(daemon, home)
     assert daemon.returncode == 0, log

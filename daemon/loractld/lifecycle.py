@@ -457,7 +457,7 @@ async def _extend_start_timeout(systemd: SystemdEnv, core: Core) -> None:
         if view.stage and mark != last:
             systemd.notify(f"EXTEND_TIMEOUT_USEC={START_EXTENSION_S * 1_000_000}", f"STATUS={view.message}")
             last = mark
-        await asyncio.sleep(5)
+        await asyncio.sleep(1)
 
 
 async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> None:
