@@ -170,3 +170,35 @@ def test_the_wheel_serves_the_demo_model_from_an_empty_folder(installed, real_de
         log = _stop(daemon, home)
     assert daemon.returncode == 0 and "Traceback" not in log, log
     assert time.monotonic() - began < 600
+
+
+def test_the_wheel_with_its_dynamo_extra_joins_a_fleet(installed):
+    """``--dynamo`` in the environment ``pip install 'loractl[cpu,dynamo]'`` makes (run last: it
+    adds the runtime to the module's venv). File discovery: no etcd needed to see it join."""
+    from test_dynamo import discovery, free_port, instances
+
+    venv, empty, root = installed
+    dist = next((root / "dist").glob("loractl-*.whl"))
+    added = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
+                            f"{dist}[cpu,dynamo]"], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    assert added.returncode == 0, added.stderr[-3000:]
+    home = root / "home-dynamo"
+    home.mkdir()
+    kv = root / "kv"
+    port = free_port()
+    env = {**user_environment(home), "DYN_FILE_KV": str(kv), "DYN_LORA_ENABLED": "true",
+           "DYN_SYSTEM_PORT": str(port)}
+    daemon = _serve(venv, empty, env, "--model", "tiny", "--dynamo", "--dynamo-discovery", "file", *ENGINE_FLAGS)
+    try:
+        waited = _cli(venv, empty, env, "status", "--wait", "--timeout", "300")
+        assert waited.returncode == 0, (waited.stderr, _stop(daemon, home))
+        deadline = time.monotonic() + 30
+        while not instances(kv) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert instances(kv), _stop(daemon, home)
+        assert "" in set().union(*discovery(kv).values())   # the base model's card
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/loras", timeout=60) as reply:
+            assert reply.status == 200 and isinstance(json.loads(reply.read()), dict)
+    finally:
+        log = _stop(daemon, home)
+    assert daemon.returncode == 0 and "Traceback" not in log, log
