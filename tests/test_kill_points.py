@@ -68,7 +68,7 @@ def assert_consistent(rig: Rig) -> dict[str, dict]:
     # Leftovers: staging folders, temporary links and files, objects no name points to.
     assert not any((store / ".tmp").iterdir())
     hidden = [p.name for p in store.iterdir() if p.name.startswith(".")
-              and p.name not in (".objects", ".tmp", ".snapshots")]   # .snapshots: the store's copies of folders
+              and p.name not in (".objects", ".tmp", ".snapshots", ".loractl-store.json")]  # copies of folders; the format
     hidden += [f"{org.name}/{p.name}" for org in store.iterdir() if not org.name.startswith(".")
                for p in org.iterdir() if p.name.startswith(".")]
     assert not hidden, hidden
