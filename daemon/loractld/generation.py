@@ -54,7 +54,8 @@ class UnknownModel(AdapterNotFound):
 
     def __init__(self, name: str, close_matches: list[str]) -> None:
         # With a close match the name was most likely misspelt: no advice to pull under it.
-        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? loractl ls lists the store."
+        hint = (f"Did you mean {' or '.join(repr(m) for m in close_matches)}? loractl ls lists the store; "
+                "loractl pull REF --name NAME adds one."
                 if close_matches else f"Pull it first: loractl pull REF --name {name} (loractl ls lists the store).")
         super().__init__(f"no adapter named {name!r} in the store", hint)
         self.name = name
