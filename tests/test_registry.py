@@ -177,7 +177,7 @@ def test_atomic_writes_leave_no_temp_files_and_garbage_is_ignored(root):
         folder = root / NS / COMP
         assert sorted(os.listdir(folder)) == ["good.json", "good.lock"]
         doc = json.loads((folder / "good.json").read_text())
-        assert set(doc) == {"namespace", "component", "instance_id", "pid", "host",
+        assert set(doc) == {"format", "namespace", "component", "instance_id", "pid", "host",
                             "status", "heartbeat", "started", "metadata"}
 
         # A half-written file, a foreign temp file, a json pointing at another id, an empty file.
