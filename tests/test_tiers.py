@@ -194,7 +194,7 @@ def test_pins_and_preload_survive_a_restart(tiered, home):
     assert (listed["handmade-pissa/v1"]["state"], listed["handmade-pissa/v1"]["tier"]) == ("failed", "disk")
     status = json.loads(cli(d, "status", "--json").stdout)
     assert (status["capacity"]["pins"], status["capacity"]["device_pins"], status["admission"]["pinned"]) == (1, 1, 1)
-    assert saved == {"pins": [NAMES[1]], "device_pins": [NAMES[2]]}
+    assert saved == {"format": 1, "pins": [NAMES[1]], "device_pins": [NAMES[2]]}
     cli(d, "unpin", NAMES[1])
     cli(d, "unpin", NAMES[2])
 
