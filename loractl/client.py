@@ -26,9 +26,10 @@ from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-from loractl import messages, paths
+from loractl import paths
 from loractl.errors import (DaemonExited, DaemonNotRunning, EngineUnavailable, InvalidRequest, LoractlError,
                             PermissionDenied, from_wire)
+from loractl.messages import to_dict  # every reply as a dict: all fields, numbers as numbers
 from loractl.multiplexed import Multiplexer
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlStub
@@ -89,11 +90,6 @@ def local_folder(ref: str) -> str | None:
     if ref.startswith(("./", "../", "~")) or ref in (".", "..") or (not os.path.isabs(ref) and os.path.isdir(ref)):
         return str(Path(ref).expanduser().absolute())
     return ref if os.path.isabs(ref) else None
-
-
-def to_dict(message: Any) -> dict[str, Any]:
-    """A protobuf message as a plain dict with every field present (stable JSON output)."""
-    return messages.to_dict(message)
 
 
 def permission_hint(socket_path: Path) -> str:

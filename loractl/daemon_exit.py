@@ -41,7 +41,6 @@ class DaemonExit:
     time: float            # seconds since the epoch
     message: str
     hint: str
-    exit_code: int
     log: str = ""           # where its log went, when the daemon knows (a file or the journal)
 
     def ago(self, now: float | None = None) -> str:
@@ -59,12 +58,11 @@ def exit_path(layout: paths.Layout) -> Path:
     return layout.state_dir / EXIT_FILE
 
 
-def record_exit(layout: paths.Layout, *, socket: str, message: str, hint: str, exit_code: int,
-                log: str = "") -> None:
+def record_exit(layout: paths.Layout, *, socket: str, message: str, hint: str, log: str = "") -> None:
     """Keep this process's failed exit for the CLI (best effort: a full disk loses only this)."""
     path = exit_path(layout)
     body = {"format": FORMAT, "pid": os.getpid(), "socket": socket, "time": time.time(), "message": message,
-            "hint": hint, "exit_code": exit_code, "log": log}
+            "hint": hint, "log": log}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{EXIT_FILE}.{os.getpid()}.tmp")
@@ -87,7 +85,7 @@ def read_exit(layout: paths.Layout, socket: str | os.PathLike[str] | None = None
         body = json.loads(exit_path(layout).read_text())
         record = DaemonExit(pid=int(body["pid"]), socket=str(body["socket"]), time=float(body["time"]),
                             message=str(body["message"]), hint=str(body.get("hint") or ""),
-                            exit_code=int(body.get("exit_code", 1)), log=str(body.get("log") or ""))
+                            log=str(body.get("log") or ""))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if socket is not None and record.socket != str(socket):

@@ -78,7 +78,7 @@ class HomeInUse(LoractlError):
                     "with their own homes share a registry through LORACTL_REGISTRY.")
 
 
-LOCK_FILE = "loractld.lock"
+LOCK_FILE = daemon_exit.LOCK_FILE   # the CLI reads its holder to tell a starting daemon (loractl/daemon_exit.py)
 
 
 def lock_home(data_dir: Path, sock_path: Path) -> int:
@@ -286,7 +286,7 @@ def failed_exit(layout: paths.Layout, sock_path: str, error: LoractlError, syste
     """Say why this daemon stops, where the CLI and systemd read it: ``loractl status`` shows
     the record (loractl/daemon_exit.py), systemd's status line the message."""
     daemon_exit.record_exit(layout, socket=sock_path, message=error.message, hint=error.hint,
-                            exit_code=error.exit_code, log=daemon_exit.log_destination())
+                            log=daemon_exit.log_destination())
     if systemd is not None:
         systemd.notify(f"STATUS=failed: {error.message}", "ERRNO=1")
 

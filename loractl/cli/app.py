@@ -15,14 +15,11 @@ def _flags_take_no_value() -> None:
     (``--raw <bool>`` reads as if it wanted one). A flag gets no type column."""
     from typer.core import TyperOption
 
-    if getattr(TyperOption.display_type_rich, "loractl", False):
-        return
     shown = TyperOption.display_type_rich
 
     def display_type_rich(self, ctx):
         return None if self.is_flag and self.metavar is None else shown(self, ctx)
 
-    display_type_rich.loractl = True
     TyperOption.display_type_rich = display_type_rich
 
 

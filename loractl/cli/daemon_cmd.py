@@ -114,11 +114,11 @@ def install(
             result = subprocess.CompletedProcess(args, 127, "", "systemctl: not found (no systemd bus here)")
         if result.returncode != 0:
             no_bus = "bus" in result.stderr.lower() or "not been booted with systemd" in result.stderr
-            hint = ("this machine (or session) runs no systemd manager: start loractld in the foreground "
+            hint = ("This machine (or session) runs no systemd manager: start loractld in the foreground "
                     f"({loractld}), or install with --no-enable and enable it where systemd runs."
-                    if no_bus else f"the unit is written; run systemctl {' '.join(scope + args)} yourself to see why.")
+                    if no_bus else f"The unit is written; run systemctl {' '.join(scope + args)} yourself to see why.")
             raise fail(InvalidRequest(f"systemctl {' '.join(scope + args)} failed: "
-                                      f"{result.stderr.strip() or 'exit ' + str(result.returncode)}", hint[0].upper() + hint[1:]))
+                                      f"{result.stderr.strip() or 'exit ' + str(result.returncode)}", hint))
     stdout.print(f"enabled {' '.join(enabled)}; follow it with: journalctl {' '.join(scope)} -u loractld -f")
 
 
