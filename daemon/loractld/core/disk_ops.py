@@ -1,4 +1,4 @@
-"""The disk tier's operations of :class:`loractld.core.Core`: pull, list, show and remove, and
+"""The disk tier's operations of :class:`loractld.core.core.Core`: pull, list, show and remove, and
 what a new revision changes in the engine (its pin moved, the old revision dropped).
 
 A part of ``Core`` (a base class of it), in its own module only to keep each readable in one
@@ -28,7 +28,7 @@ from loractld.events import Event
 from loractld.views import AdapterView, RemovedView
 
 if TYPE_CHECKING:
-    from loractld.core import Catalog
+    from loractld.core.state import Catalog
     from loractld.serving.tiers import Tiers
     from loractld.store.disk import StoredAdapter
     from loractld.store.identity import AdapterRef

@@ -1,0 +1,229 @@
+"""The request path of :class:`loractld.core.core.Core`: a generation's adapter resolved (pulled
+on demand, authorized, leased, preflighted), its prompt prepared against the context, and its run
+through the admission gate into the engine — for every door.
+
+A part of ``Core`` (a base class of it), in its own module so the request path reads in one place.
+
+Invariants (on top of :mod:`loractld.core.state`'s):
+- Nothing on the request path reads the engine's tier state: a generation resolves its adapter
+  from the resolver's in-memory index and only marks the tiers busy (``Tiers.note_activity``);
+  the tier follower does the reading, off the path.
+- Every generation passes the admission gate (``loractld.serving.admission``) before the engine sees
+  it, and leaves it when it ends however it ends: the engine never holds requests for more
+  distinct adapters than the device slots the pins leave free.
+- An adapter's content reaches the engine in a request or a load only once the engine's own
+  loader accepted it (``store.preflight``: once per content; a set lookup after that).
+- An adapter folder a request may still need (vLLM reloads from disk after an eviction) is
+  never deleted: a request takes a lease on its folder where it resolves its adapter
+  (:meth:`RequestPath.resolve_model`), held until the request ends however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from loractl.errors import AdapterNotFound, EngineUnavailable, InvalidRequest
+from loractld.worker import hooks
+from loractld.core import policy
+from loractld.events import Event
+from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted
+from loractld.serving.admission import WAIT_BUCKETS, Ticket, TicketLabel
+from loractld.store import ondemand
+
+if TYPE_CHECKING:
+    from loractld.core.state import Catalog
+    from loractld.engine.openai_serving import OpenAISurface
+    from loractld.engine.sampling import Delta
+    from loractld.store.identity import AdapterRef
+    from loractld.store.leases import Lease
+
+ROLES = ("system", "user", "assistant")
+
+
+class RequestPath:
+    def admitted(self, ticket: Ticket) -> None:
+        """The gate let ``ticket`` into the engine: observe its wait; tell who waited."""
+        if ticket.key is None:
+            return
+        self.metrics.observe("loractl_admission_wait_seconds", (("adapter", ticket.label),), ticket.wait_s,
+                             buckets=WAIT_BUCKETS)
+        if ticket.waited:
+            self.events.publish(Event("WAITED_FOR_SLOT", ticket.label, reason="admission",
+                                      message=f"request {ticket.id} waited {ticket.wait_s:.3f} s for a device slot"))
+
+    # -- generation -----------------------------------------------------------------------
+    def base_model_names(self) -> set[str]:
+        """Every name that means the base model: the served name, --model, its folder and ids."""
+        names = {self.served_model_name} if self.served_model_name else set()
+        if self.catalog is not None:
+            names |= self.catalog.base_model.names | {self.catalog.base_model.model}
+        return names
+
+    async def openai_surface(self) -> OpenAISurface:
+        """vLLM's OpenAI serving classes over this daemon's engine (built once per engine): the
+        HTTP door's generation routes. Their engine requests pass :meth:`engine_request`."""
+        engine, _ = await self._wait_engine()
+        if self._openai is None or self._openai[0] is not engine:
+            from loractld.engine.openai_serving import OpenAISurface
+
+            surface = OpenAISurface(engine, engine.settings.openai, self.engine_request, self._generated,
+                                    [self.served_model_name or self.model_label])
+            self._openai = (engine, surface)
+        return self._openai[1]
+
+    @staticmethod
+    def answer_first_token_ns() -> int | None:
+        """When the HTTP request this task serves had its first generated token
+        (``time.perf_counter_ns()``), or None before it (or outside one)."""
+        from loractld.engine.openai_serving import CURRENT
+
+        scope = CURRENT.get()
+        return scope.first_token_ns if scope is not None else None
+
+    def _generated(self, label: tuple, tokens: int) -> None:
+        self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
+        ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
+        if tokens and ticket is not None and self.gate is not None:
+            self.gate.first_token(ticket)   # once: it ignores a ticket that had its first token
+
+    async def sampling_defaults(self) -> dict:
+        """The model's own defaults for sampling parameters a request leaves out."""
+        engine, _ = await self._wait_engine()
+        return engine.generation_defaults()
+
+    async def resolve_model(self, lora: str, caller: policy.Caller | None, allow_folders: bool = False, *,
+                            ondemand_request: GenerationRequest | None = None
+                            ) -> tuple[AdapterRef | None, str | None, Lease | None]:
+        """The adapter ``lora`` names ("" is the base model) as (adapter, store name, lease):
+        pulled first when missing and allowed (``--auto-pull``), a folder only for a caller the
+        policy lets name one, and accepted by the engine's own loader (the preflight). The lease
+        holds the adapter's folder until released: the caller releases it when its request ends."""
+        catalog = await self._wait_catalog()
+        request = ondemand_request or GenerationRequest(prompt=" ", lora=lora, allow_folders=allow_folders,
+                                                        caller=caller)
+        lora = await ondemand.adapter_name(self, request)  # a missing Hub reference pulled first, when allowed
+        if not lora:
+            return None, None, None
+        # A folder is read with the daemon's rights and takes an engine slot: a state change.
+        folder_use = policy.authorized(caller, self.socket_gid, "generate-folder", lora,
+                                       refusal="generate from an adapter folder on this daemon",
+                                       hint="Name a stored adapter (loractl ls), or ask its owner to pull the folder.") \
+            if os.path.isabs(lora) and allow_folders else contextlib.nullcontext()
+        async with folder_use:
+            adapter = await self._resolve_adapter(catalog, lora, allow_folders)
+        name = lora if not os.path.isabs(lora) else None
+        # Taken with no await since the resolve: from here on no rm or pull deletes the folder.
+        lease = catalog.store.lease(adapter.path)
+        try:
+            await hooks.reached_async("resolved")
+            # The engine's own loader has the last word, once per content.
+            await catalog.preflight.check(adapter.path, adapter.digest, adapter.label, adapter.engine_id)
+            await hooks.reached_async("preflighted")
+        except BaseException:
+            lease.release()
+            raise
+        return adapter, name, lease
+
+    async def prepare(self, request: GenerationRequest) -> Prepared:
+        """Everything that can refuse a request before the engine sees it: the adapter, the
+        messages, the prompt's tokens against the context, the sampling parameters."""
+        engine, _ = await self._wait_engine()
+        given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
+        if sum(given) != 1:
+            raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
+        adapter, name, lease = await self.resolve_model(request.lora, request.caller, request.allow_folders,
+                                                        ondemand_request=request)
+        try:
+            if request.messages is not None:
+                if not request.messages:
+                    raise InvalidRequest("no messages", "Send at least one message.")
+                for m in request.messages:
+                    if m["role"] not in ROLES:
+                        raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
+                prompt_ids = await engine.render_chat(request.messages)
+            elif request.prompt_token_ids is not None:
+                prompt_ids = list(request.prompt_token_ids)
+            else:
+                prompt_ids = await engine.encode(request.prompt)
+            sampling = fitted(request.sampling, len(prompt_ids), engine)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return Prepared(engine, adapter, name, prompt_ids, sampling, lease)
+
+    async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
+        """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine."""
+        adapter, name = prepared.adapter, prepared.name
+        # This run's own lease: the prepared one is shared by every copy of ``prepared``.
+        lease = prepared.lease.share() if prepared.lease is not None else None
+        try:
+            async with self.engine_request(adapter, name) as label:
+                async with contextlib.aclosing(prepared.engine.generate(
+                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
+                    async for delta in deltas:
+                        self._generated(label, len(delta.token_ids))
+                        yield delta
+        finally:
+            if lease is not None:
+                # Both: the prepared lease too, now rather than when the last copy of ``prepared``
+                # is dropped (an exception's traceback can hold it for long). A copy that runs
+                # later takes its own (``share``), or hears that the adapter went.
+                lease.release()
+                prepared.lease.release()
+
+    @contextlib.asynccontextmanager
+    async def engine_request(self, adapter: AdapterRef | None, name: str | None):
+        """The body runs as one engine request for ``adapter`` (None: the base model): drained on
+        shutdown, counted as serving ``name``, and behind the admission gate, which it leaves
+        however it ends. Yields the metrics label of the adapter (``loractl top``'s tokens/s).
+        The caller holds the adapter's lease for at least as long."""
+        tiers = self.tiers
+        assert tiers is not None and self.catalog is not None
+        if self.draining:
+            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        tiers.note_request(name or (adapter.label if adapter else ""))
+        if name:
+            self._serving[name] += 1
+        if adapter:
+            tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
+        gate, ticket = self.gate, None
+        assert gate is not None
+        try:
+            with self._tracked("the daemon is shutting down; the generation was stopped"):
+                ticket = await gate.enter(adapter.engine_id if adapter else None,
+                                          name or (adapter.label if adapter else ""))
+                label = TicketLabel((("adapter", ticket.label),))
+                label.ticket = ticket
+                yield label
+        finally:
+            if ticket is not None:
+                gate.finish(ticket)
+            if name:
+                self._serving[name] -= 1
+            if adapter:
+                tiers.note_activity()
+
+    async def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
+        """The adapter ``lora`` names; new content is hashed and validated off the event loop."""
+        if os.path.isabs(lora) and not allow_folders:
+            raise UnknownModel(lora, [])  # a network client never names the daemon's folders
+        try:
+            return await catalog.resolver.resolve_async(lora)
+        except (AdapterNotFound, InvalidRequest) as e:
+            if os.path.isabs(lora) or (isinstance(e, InvalidRequest) and allow_folders):
+                raise  # a missing folder, or a malformed name typed at the CLI: its own message
+            raise UnknownModel(lora, await asyncio.to_thread(self.close_matches, lora)) from e
+
+    def close_matches(self, name: str) -> list[str]:
+        """Names the user may have meant; reads the store, so only on the error path."""
+        stored = {a.name for a in self.catalog.store.list()} if self.catalog is not None else set()
+        known = sorted(stored | ({self.served_model_name} if self.served_model_name else set()))
+        by_lower = {k.lower(): k for k in known}
+        matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)
+        return [by_lower[m] for m in matches]

@@ -1,0 +1,179 @@
+"""The core's state and its waiting: the catalog, the engine, the tiers, the events and metrics, the
+work in flight, and how an operation waits for the part it needs (:class:`CoreState`, the base of
+:class:`loractld.core.core.Core`).
+
+Invariants:
+- While draining (shutdown), new work is refused with ``EngineUnavailable``; work still running
+  when the grace period ends is cancelled and ends with ``Cancelled``, never left hanging.
+- A dead engine is an answer of its own (``EngineUnavailable``), never an internal error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from loractl.errors import Cancelled, EngineUnavailable, LoractlError
+from loractld.events import Event, EventBus, Metrics
+from loractld.serving.finishing import Finishing
+from loractld.startup import StartupProgress
+from loractld.store.preflight import Preflight
+
+if TYPE_CHECKING:
+    from loractld.engine.client import Engine
+    from loractld.engine.openai_serving import OpenAISurface
+    from loractld.models.basemodel import BaseModel
+    from loractld.models.naming import ModelName
+    from loractld.serving.admission import Gate
+    from loractld.serving.tiers import Tiers
+    from loractld.store.disk import Store
+    from loractld.store.identity import AdapterResolver
+    from loractld.store.pulls import Puller
+
+
+@dataclass
+class Catalog:
+    """The disk side, available once the base model is known (before the engine is up)."""
+
+    store: Store
+    resolver: AdapterResolver
+    puller: Puller
+    base_model: BaseModel
+    preflight: Preflight = field(default_factory=Preflight)
+
+
+class CoreState:
+    """What the daemon holds (set by ``loractld.lifecycle``) and how its operations wait for it;
+    the operations themselves are :class:`~loractld.core.core.Core`'s other bases."""
+
+    def __init__(self, *, socket_path: str, home: str, served_model_name: str = "") -> None:
+        self.socket_path = socket_path
+        self.home = home
+        self.served_model_name = served_model_name
+        self.auto_pull = False      # --auto-pull: see loractld.store.ondemand
+        self.socket_gid: int | None = None  # --socket-group: its members may change state (core.policy)
+        self.http_url = ""          # set by the HTTP front end once it listens
+        self.catalog: Catalog | None = None
+        self.catalog_ready = asyncio.Event()
+        self.engine: Engine | None = None
+        self.tiers: Tiers | None = None
+        self.gate: Gate | None = None
+        self.engine_ready = asyncio.Event()
+        self.events = EventBus()
+        self.metrics = Metrics()
+        self.startup_error: LoractlError | None = None
+        self.startup = StartupProgress()   # the start-up stage, for status; lifecycle reports to it
+        self.model_name: ModelName | None = None  # the base model as users know it, once resolved
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.draining = False
+        self.engine_died = False
+        self._inflight: set[asyncio.Task] = set()
+        self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
+        self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
+        self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
+
+    # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
+    def set_catalog(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.catalog_ready.set()
+
+    def set_engine(self, engine: Engine, tiers: Tiers) -> None:
+        self.engine = engine
+        self.tiers = tiers
+        self.gate = tiers.gate
+        self.engine_ready.set()
+
+    def set_failed(self, error: LoractlError) -> None:
+        self.startup_error = error
+        self.catalog_ready.set()
+        self.engine_ready.set()
+
+    @property
+    def ready(self) -> bool:
+        engine = self.engine
+        return engine is not None and not self.draining and not engine.errored and not self.engine_died
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Generations and pulls running now."""
+        return len(self._inflight)
+
+    async def drain(self, grace_seconds: float) -> int:
+        """Refuse new work, wait up to ``grace_seconds``, cancel the rest; return how many."""
+        self.draining = True
+        if self._inflight:
+            await asyncio.wait(set(self._inflight), timeout=grace_seconds)
+        leftover = [t for t in self._inflight if not t.done()]
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            await asyncio.wait(leftover, timeout=5)
+        return len(leftover)
+
+    async def _ready(self, event: asyncio.Event) -> None:
+        if self.draining:
+            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
+        await event.wait()
+        if self.startup_error is not None:
+            raise self.startup_error
+
+    async def _wait_engine(self) -> tuple[Engine, Tiers]:
+        await self._ready(self.engine_ready)
+        assert self.engine is not None and self.tiers is not None
+        self._refuse_if_engine_dead(self.engine)
+        return self.engine, self.tiers
+
+    def _refuse_if_engine_dead(self, engine: Engine) -> None:
+        """A dead engine is an answer of its own (clients stop waiting), not an internal error."""
+        if self.engine_died or engine.errored:
+            raise engine_died()
+
+    async def _wait_catalog(self) -> Catalog:
+        await self._ready(self.catalog_ready)
+        assert self.catalog is not None
+        return self.catalog
+
+    @contextlib.contextmanager
+    def _tracked(self, cancel_message: str):
+        """Run the body as in-flight work of the current task: drained on shutdown, and a
+        cancellation by the drain surfaces as ``Cancelled`` (a client going away stays a
+        plain cancellation)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.draining:
+                raise
+            raise Cancelled(cancel_message, "Start the daemon again and rerun the command.") from None
+        finally:
+            self._inflight.discard(task)
+
+    @property
+    def model_label(self) -> str:
+        """The base model's name in status, the registry and the metrics' ``model_name`` label."""
+        if self.model_name is not None:
+            return self.model_name.name
+        return self.served_model_name or (self.engine.settings.model if self.engine else "")
+
+    # -- watching -------------------------------------------------------------------------
+    async def watch_events(self, history: int = 0) -> AsyncIterator[Event]:
+        """Lifecycle events as they happen (after the last ``history`` ones), until the daemon drains."""
+        queue = self.events.subscribe(history)
+        try:
+            while not self.draining:
+                yield await queue.get()
+        finally:
+            self.events.unsubscribe(queue)
+
+
+def engine_died() -> EngineUnavailable:
+    return EngineUnavailable("the engine died; the daemon is restarting",
+                             "Retry in a moment; if it persists, see the daemon's log.")

@@ -1,0 +1,72 @@
+"""The engine tiers' operations of :class:`loractld.core.core.Core`: load, evict, pin and unpin
+by name, each vetted first (the name resolves and the engine's loader accepts its content), and
+how an adapter is described to the user (its tier, pin, use and any failure).
+
+A part of ``Core`` (a base class of it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from loractl.errors import LoractlError
+from loractld.views import AdapterView
+
+if TYPE_CHECKING:
+    from loractld.core.state import Catalog
+    from loractld.serving.residency import EngineState
+    from loractld.store.disk import StoredAdapter
+
+
+class TierOps:
+    async def load(self, name: str, to: str = "device") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.load(name, to or "device"))
+
+    async def evict(self, name: str, source: str = "device") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.evict(name, source or "device"))
+
+    async def pin(self, name: str, to: str = "host") -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.pin(name, to or "host"))
+
+    async def unpin(self, name: str) -> AdapterView:
+        return await self._tier_op(name, lambda tiers: tiers.unpin(name))
+
+    async def _tier_op(self, name: str, op) -> AdapterView:
+        _, tiers = await self._wait_engine()
+        await self.vet(name)
+        await op(tiers)
+        catalog = await self._wait_catalog()
+        adapter = await asyncio.to_thread(catalog.store.get, name)
+        return self._described(catalog, adapter, tiers.last_state)
+
+    async def vet(self, name: str) -> None:
+        """Raise unless ``name`` resolves (an unknown name: with close matches) and the engine's
+        loader accepts its content (``store.preflight``): before any tier operation, and for
+        start-up's pins and preloads, which may name files changed while the daemon was down."""
+        catalog = await self._wait_catalog()
+        ref = await self._resolve_adapter(catalog, name, allow_folders=True)
+        await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None) -> AdapterView:
+        view = AdapterView.of(adapter)
+        try:
+            ref = catalog.resolver.resolve(adapter.name)
+        except LoractlError as e:
+            view.state, view.error = "failed", f"{e.message} ({e.hint})"
+            return view
+        refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
+        if refused is not None:
+            view.state, view.error = "failed", f"{refused.message} ({refused.hint})"
+        if state is not None:
+            residency = state.residency(ref.engine_id)
+            view.tier, view.pinned, view.slot, view.pin = residency.tier, residency.pinned, residency.slot, residency.pin
+            view.host_bytes = residency.host_bytes
+        if self.tiers is not None:
+            usage = self.tiers.usage.get(adapter.name)
+            if usage is not None:
+                view.requests, view.last_used = usage.requests, usage.last_used
+                if usage.state != "ready":
+                    view.state, view.error = usage.state, usage.error
+        return view
