@@ -8,7 +8,7 @@ the preflight thread (``worker_ext.loractl_preflight_start``), alternating in on
 Default: a random model with SmolLM2-135M's shapes (bench/make_model.py --shape smollm2-135m),
 adapters of rank 64 on all seven projections (78 MB each in float32), 32 greedy streams. The
 worker records each step's start and how long each preflight utility call held the engine's
-loop (``LORACTL_STEP_TIMES=1``): the loop runs utility calls between steps, so the time it is
+loop (the test suite's hook, tests/hooks_plugin, with ``LORACTL_TEST_STEP_TIMES=1``): the loop runs utility calls between steps, so the time it is
 held is time every running stream waits. A step interval is the time between two consecutive
 step starts; for each preflight the report gives its duration, the loop time it held, the steps
 that started meanwhile, and the longest step interval overlapping it (baseline: every interval
@@ -27,11 +27,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The step timers are the test suite's hook's (loractld/worker/hooks.py finds it here): on the
+# path before loractld is imported, in this process, which holds the engine.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hooks_plugin"))
 import _setup  # noqa: E402
 
 
 async def run(args) -> dict:
-    os.environ["LORACTL_STEP_TIMES"] = "1"  # read by the worker plugin in the engine's process
+    import loractl_test_hooks
+
+    os.environ[loractl_test_hooks.STEP_TIMES] = "1"  # read when the engine installs its worker
     from loractld.engine.client import Engine, EngineSettings, Sampling
     from loractld.engine import compat
     from loractld.models.tiny import DemoAdapter, build_adapter
@@ -94,7 +99,7 @@ async def run(args) -> dict:
             await asyncio.sleep(args.gap)
     stop.set()
     tokens = sum(await asyncio.gather(*tasks))
-    recorded = (await engine._llm.collective_rpc("loractl_step_times"))[0]
+    recorded = loractl_test_hooks.step_times()  # the engine runs in this process
     starts, held = recorded["steps"], recorded["held"]
     engine.shutdown()
 

@@ -6,6 +6,7 @@ tmp_path can exceed that.
 
 from __future__ import annotations
 
+import support_hooks  # noqa: F401 - first: enables the suite's hook for loractld (tests/hooks_plugin)
 import asyncio
 import json
 import os
@@ -198,7 +199,7 @@ def socket_users():
 @dataclass
 class Rig:
     """A daemon of its own that tests may kill and restart (``LORACTL_TEST_KILL_AT``: see
-    loractld/killpoints.py), with the HTTP API on and, when a test group could be made, its
+    tests/hooks_plugin/loractl_test_hooks.py), with the HTTP API on and, when a test group could be made, its
     socket in that group (--socket-group). Shared by the modules that fuzz, kill and check the
     socket's group, so that they pay for one daemon start, plus one per kill."""
     root: Path
@@ -213,7 +214,7 @@ class Rig:
     @property
     def load_fault(self) -> Path:
         """Test-only: a text written here fails the engine's next load, in a step, of an adapter
-        whose path holds it (LORACTL_TEST_LOAD_FAULT: see loractld/worker/extension.py)."""
+        whose path holds it (LORACTL_TEST_LOAD_FAULT: tests/hooks_plugin)."""
         return self.root / "load-fault"
 
     def start(self) -> None:
@@ -258,8 +259,8 @@ CUDA_SPY = Path(__file__).resolve().parent / "cuda_spy.py"
 class Hooked:
     """A daemon started as ``loractld --device auto`` under the CUDA spy (tests/cuda_spy.py,
     recording to ``record``), with test hooks armable through files under ``root``: pause
-    points (``pauses``, LORACTL_TEST_PAUSE_DIR: loractld/testhooks.py), a one-shot activation
-    fault (``activate_fault``) and a poisoned load (``poison``) (loractld/worker/extension.py)."""
+    points (``pauses``, LORACTL_TEST_PAUSE_DIR), a one-shot activation
+    fault (``activate_fault``) and a poisoned load (``poison``): tests/hooks_plugin/loractl_test_hooks.py."""
     daemon: Daemon
     root: Path
     record: Path

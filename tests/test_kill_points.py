@@ -1,10 +1,11 @@
 """SIGKILL of the daemon's own pid at each step that changes something (a load, an eviction, a
 pin, a removal, a pull's final rename, a write of state.json), and of a client mid-stream.
 
-The daemon kills itself at the step named in an arming file (``loractld/killpoints.py``, test
-only), as ``kill -9 PID`` or the OOM killer would. After the restart, for every step: the CLI's
-call that was cut got one clean error line; the store, the pins and state.json agree; nothing
-half-installed is visible or left on disk; and a generation equals the HF + PEFT reference.
+The daemon kills itself at the step named in an arming file (the suite's hook,
+tests/hooks_plugin/loractl_test_hooks.py, at a point of loractld/worker/hooks.py), as ``kill -9
+PID`` or the OOM killer would. After the restart, for every step: the CLI's call that was cut
+got one clean error line; the store, the pins and state.json agree; nothing half-installed is
+visible or left on disk; and a generation equals the HF + PEFT reference.
 
 The daemon is conftest's ``rig``: each case runs on the daemon the previous case restarted, so a
 kill point costs one daemon start (about 14 s on two cores). The kills inside an engine step,
@@ -93,7 +94,7 @@ CASES = {
     "rm": ("store-unlink", [["pin", "sql-expert/v1"]], ["rm", "--force", "sql-expert/v1"],
            lambda ls: "sql-expert/v1" not in ls),
     # The object is in .objects/ and a temporary link beside where the name goes: neither stays.
-    "pull-rename": ("store-install", [], ["pull", "{demo}/adapters/translator/v1", "--name", "crash/pulled"],
+    "pull-rename": ("store-installed", [], ["pull", "{demo}/adapters/translator/v1", "--name", "crash/pulled"],
                     lambda ls: "crash/pulled" not in ls),
     # The old state.json stands (the pin holds), the half-written one is gone.
     "state-write": ("write:state.json", [["pin", "poet/v1"]], ["unpin", "poet/v1"],

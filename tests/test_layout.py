@@ -66,7 +66,7 @@ def test_api_reaches_the_daemon_only_through_the_core(path, tree):
                          ids=[str(p) for p, _ in MODULES if p.parts[0] == "worker"])
 def test_worker_code_imports_nothing_of_the_daemons_state(path, tree):
     bad = sorted(m for m in _imports(tree) if m.startswith("loractld.")
-                 and not m.startswith(("loractld.worker", "loractld.killpoints")))
+                 and not m.startswith("loractld.worker"))
     assert not bad, f"{path} runs inside vLLM's worker and imports {bad}"
 
 

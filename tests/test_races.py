@@ -1,6 +1,7 @@
 """Races between tier commands (pin, unpin, load, evict, rm of pins), each held open at its racy
-point by a test-only pause (``loractld.testhooks``) or an engine double's held call, rather than
-left to timing: the real ``Tiers`` and ``Gate`` in front of ``tier_double.EngineDouble``.
+point by a test-only pause (``loractl_test_hooks.armed``, tests/hooks_plugin) or an engine
+double's held call, rather than left to timing: the real ``Tiers`` and ``Gate`` in front of
+``tier_double.EngineDouble``.
 
 The store's races are in test_races_store.py, the requests' on a real daemon in
 test_races_daemon.py."""
@@ -13,10 +14,10 @@ import contextlib
 import pytest
 
 from loractl.errors import InvalidRequest
-from loractld import testhooks
 from loractld.serving.pins import PersistentState
 from loractld.serving.tiers import Tiers
 
+from loractl_test_hooks import armed
 from tier_double import Ref, assert_pins_agree, make_tiers, new_revision
 
 
@@ -28,7 +29,7 @@ def test_of_two_concurrent_pins_for_the_last_place_exactly_one_wins(tmp_path, to
     left no place for unpinned adapters)."""
     async def go():
         tiers = make_tiers(tmp_path, max_loras=2, max_cpu_loras=3)
-        with testhooks.armed("pin-claimed") as point:
+        with armed("pin-claimed") as point:
             first = asyncio.ensure_future(tiers.pin("a", to))
             await point.until_reached()
             with pytest.raises(InvalidRequest, match=f"of at most 1 {to if to == 'host' else 'device'} pins"):
@@ -91,7 +92,7 @@ def test_an_unpin_gives_back_the_place_of_the_revision_its_pin_holds(tmp_path):
     full of pins: every request for an unpinned adapter waited until its deadline)."""
     async def go():
         tiers = make_tiers(tmp_path, max_loras=2, max_cpu_loras=3)
-        with testhooks.armed("pin-claimed") as point:
+        with armed("pin-claimed") as point:
             pin = asyncio.ensure_future(tiers.pin("a", "device"))
             await point.until_reached()
             tiers.resolver.refs["a"] = Ref("a", 9)      # a new revision of "a" installed meanwhile
@@ -310,7 +311,7 @@ def test_rm_keeps_an_engine_id_that_another_names_pin_holds(tmp_path):
     async def go():
         tiers = make_tiers(tmp_path, max_loras=2, max_cpu_loras=3)
         tiers.resolver.refs["b"] = Ref("b", 1)
-        with testhooks.armed("pin-claimed") as point:
+        with armed("pin-claimed") as point:
             pin = asyncio.ensure_future(tiers.pin("b", "device"))
             await point.until_reached()
             tiers.resolver.refs["b"] = Ref("b", 9)      # b's new revision
@@ -391,7 +392,7 @@ def test_a_pin_refused_as_busy_leaves_the_claim_of_the_pin_in_progress(tmp_path)
     unpinned adapter could run again); an rm could have run in the middle of it as well."""
     async def go():
         tiers = make_tiers(tmp_path, max_loras=2, max_cpu_loras=3)
-        with testhooks.armed("pin-claimed") as point:
+        with armed("pin-claimed") as point:
             first = asyncio.ensure_future(tiers.pin("a", "device"))
             await point.until_reached()
             with pytest.raises(InvalidRequest, match="busy with another command"):

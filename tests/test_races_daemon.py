@@ -1,5 +1,5 @@
 """Requests against rm, new revisions and pins on a real daemon with a real engine, each held
-open at its racy point by a test-only pause (``loractld.testhooks``) rather than left to timing;
+open at its racy point by a test-only pause (tests/hooks_plugin/loractl_test_hooks.py) rather than left to timing;
 answers checked against HF + PEFT."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="module")
 def paused(hooked):
     """conftest's ``hooked`` daemon: its own home, pause points armable through files under
-    ``paused.pauses`` (loractld/testhooks.py)."""
+    ``paused.pauses`` (tests/hooks_plugin/loractl_test_hooks.py)."""
     d = hooked.daemon
     d.pauses = hooked.pauses
     return d

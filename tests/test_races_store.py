@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from loractl.errors import InvalidRequest
-from loractld import testhooks
 from loractld.serving.admission import FirstCome, Gate
 from loractld.serving.pins import PersistentState
 from loractld.serving.tiers import Tiers
 
+from loractl_test_hooks import armed
 from tier_double import EngineDouble, Ref, assert_pins_agree, make_tiers, new_revision
 
 
@@ -43,7 +43,7 @@ def test_a_gc_during_an_install_leaves_the_new_object_alone(tmp_path):
     from loractld.store.disk import Store
 
     store = Store(tmp_path / "adapters")
-    with ThreadPoolExecutor(1) as pool, testhooks.armed("store-installed") as point:
+    with ThreadPoolExecutor(1) as pool, armed("store-installed") as point:
         installing = pool.submit(_stage_and_install, store, "fresh", b"weights")
         point.wait_reached()
         assert store.collect_garbage() == []
@@ -212,7 +212,7 @@ def test_a_pull_whose_caller_goes_away_during_the_install_still_announces_it_and
         await tiers.pin("a", "device")
         events = core.events.subscribe()
 
-        with testhooks.armed("store-installed") as point:
+        with armed("store-installed") as point:
             pull = asyncio.ensure_future(_pull_to_the_end(core, "a"))
             await point.until_reached()
             pull.cancel()                                  # the caller goes away during the install
@@ -251,7 +251,7 @@ def test_an_rm_during_a_pull_of_the_same_name_is_refused_and_the_events_end_as_t
             return await real_remove_adapter(engine_id)
         tiers.engine.remove_adapter = remove_adapter
 
-        with testhooks.armed("store-installed") as point:
+        with armed("store-installed") as point:
             pull = asyncio.ensure_future(_pull_to_the_end(core, "a"))
             await point.until_reached()
             rm = asyncio.ensure_future(core.remove("a"))

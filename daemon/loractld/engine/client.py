@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
-from loractld import killpoints
 from loractld.engine import compat, tokens
 from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
 from loractld.engine.openai_serving import ServeOptions
 from loractld.engine.params import client_errors, refusal, to_sampling_params, token_logprobs
 from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling  # noqa: F401 - the core takes them from here
-from loractld.worker import cpu_fixes
+from loractld.worker import cpu_fixes, hooks
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
 from loractld.store.identity import AdapterRef
@@ -369,7 +368,7 @@ class Engine:
     async def add_adapter(self, adapter: AdapterRef) -> bool:
         """Load disk -> host and activate into a device slot (vLLM does both in add_lora)."""
         added = bool(await self._llm.add_lora(self._lora_request(adapter)))
-        killpoints.reached("engine-add")
+        hooks.reached("engine-add")
         self._refuse_if_broken(adapter)
         return added
 
@@ -390,7 +389,7 @@ class Engine:
         admission gate's place for it (see worker_ext.loractl_pin_device)."""
         method = "loractl_pin_device" if device else "loractl_pin_host"
         pinned = bool((await self._llm.collective_rpc(method, args=(engine_id,)))[0])
-        killpoints.reached("engine-pin")
+        hooks.reached("engine-pin")
         return pinned
 
     async def unpin_adapter(self, engine_id: int, *, keep_host: bool = False) -> bool:
@@ -400,13 +399,13 @@ class Engine:
     async def deactivate_adapter(self, engine_id: int) -> bool:
         """Leave the device slot, keep the host copy."""
         left = bool((await self._llm.collective_rpc("loractl_deactivate", args=(engine_id,)))[0])
-        killpoints.reached("engine-deactivate")
+        hooks.reached("engine-deactivate")
         return left
 
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""
         removed = bool(await self._llm.remove_lora(engine_id))
-        killpoints.reached("engine-remove")
+        hooks.reached("engine-remove")
         return removed
 
     def generation_defaults(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from typing import Awaitable, Callable
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.store.identity import AdapterRef, AdapterResolver
 from loractld.serving.admission import Gate
-from loractld import testhooks
+from loractld.worker import hooks
 from loractld.events import Event, EventBus, Metrics
 from loractld.serving.claims import Claim, PinClaims
 from loractld.serving.finishing import Finishing
@@ -232,7 +232,7 @@ class Tiers:
         handed_over = False   # to the commit, which then releases the claim and the lease
         try:
             try:
-                await testhooks.pause("pin-claimed")
+                await hooks.reached_async("pin-claimed")
                 if to == "device":
                     # Given back by the settle below if cancelled: another name may share the place.
                     await self.gate.reserve(adapter.engine_id, give_back=False)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, InvalidRequest, LoractlError
 from loractl.names import NAME_RE, validate_name
-from loractld import killpoints, testhooks
+from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
 from loractld.store.leases import Lease, Leases
@@ -90,7 +90,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
-    killpoints.reached(f"write:{path.name}")
+    hooks.reached(f"write:{path.name}")
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 
@@ -342,8 +342,7 @@ class Store:
             entry.parent.mkdir(parents=True, exist_ok=True)
             link_tmp = entry.parent / f".{entry.name}.{uuid.uuid4().hex[:8]}"
             link_tmp.symlink_to(os.path.relpath(obj, entry.parent))
-            killpoints.reached("store-install")
-            testhooks.pause_in_thread("store-installed")
+            hooks.reached("store-installed")
             with self.lock:
                 previous = entry.resolve() if entry.is_symlink() else None
                 os.replace(link_tmp, entry)
@@ -411,7 +410,7 @@ class Store:
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-                killpoints.reached("store-unlink")
+                hooks.reached("store-unlink")
                 self._retired.add(str(adapter.path))
                 if not keep_object and not self.leases.held(adapter.path):
                     self._retired.discard(str(adapter.path))

@@ -33,28 +33,14 @@ import collections
 import functools
 import json
 import os
-import time
 from typing import Any
 
-from loractld.worker import kv_scrub
+from loractld.worker import hooks, kv_scrub
 
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
 # The file the worker appends a JSON line {"id", "error"} to for each adapter it failed to load
 # in a step (see _guarded_load); the engine's client reads it (loractld.engine.client).
 BROKEN_JOURNAL = "LORACTL_BROKEN_JOURNAL"
-# Test-only: while the file this names holds a text found in an adapter's path, loading that
-# adapter in a step fails once (the file is removed), as a real loader failure would. Preflight
-# never sees it: it stands for what slips past preflight.
-LOAD_FAULT = "LORACTL_TEST_LOAD_FAULT"
-# Test-only, likewise for the copy into a device slot: while the file this names holds an
-# adapter's engine id, activating it fails once (set_lora's size mismatch stands for it).
-ACTIVATE_FAULT = "LORACTL_TEST_ACTIVATE_FAULT"
-# Test-only: while the file this names holds a text found in an adapter's path, the adapter is
-# loaded with every lora_B weight NaN (once), as one whose values slipped past every check would.
-POISON = "LORACTL_TEST_POISON"
-# Benchmark-only: record each step's start (loractl_step_times), to show what waits on what.
-STEP_TIMES = "LORACTL_STEP_TIMES"
-STEP_TIMES_LIMIT = 65536
 PREFLIGHT_LIMIT = 64  # preflight answers not yet collected (loractl_preflight_start)
 
 
@@ -280,43 +266,6 @@ def _preflight_thread(worker: Any) -> None:
         pass  # a container that forbids it: the thread shares the step's cores
 
 
-def loractl_step_times(self) -> dict[str, list]:
-    """When ``LORACTL_STEP_TIMES=1`` installed the recorders (bench/preflight_stall.py): the
-    monotonic start of each recent ``execute_model`` (the engine's steps), and for each
-    preflight utility call the engine loop ran, ``[method, start, seconds]`` (how long it held
-    the loop, so the next step); else empty lists."""
-    return {"steps": list(self.__dict__.get("_loractl_step_times", ())),
-            "held": [list(r) for r in self.__dict__.get("_loractl_held", ())]}
-
-
-def _timed_hold(method):
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        began = time.monotonic()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            held = self.__dict__.get("_loractl_held")
-            if held is None:
-                held = self._loractl_held = collections.deque(maxlen=STEP_TIMES_LIMIT)
-            held.append((method.__name__, began, time.monotonic() - began))
-
-    return wrapper
-
-
-def _timed_steps(execute_model):
-    @functools.wraps(execute_model)
-    def wrapper(self, *args, **kwargs):
-        times = self.__dict__.get("_loractl_step_times")
-        if times is None:
-            times = self._loractl_step_times = collections.deque(maxlen=STEP_TIMES_LIMIT)
-        times.append(time.monotonic())
-        return execute_model(self, *args, **kwargs)
-
-    wrapper._loractl_timed = True  # type: ignore[attr-defined]
-    return wrapper
-
-
 def _check_fits(mgr: Any, lora: Any) -> None:
     """Raise if a layer of ``lora`` does not match the buffers ``activate_adapter`` copies it
     into. vLLM copies into a slice sized by the adapter, so a smaller layer (an adapter for a
@@ -346,8 +295,9 @@ def _guarded_load(load):
     @functools.wraps(load)
     def wrapper(self, lora_request):
         try:
-            _injected_fault(lora_request)
-            return _poisoned(lora_request, load(self, lora_request))
+            lora = load(self, lora_request)
+            hooks.reached("worker-loaded", lora_request, lora)  # a hook may fail or alter it here
+            return lora
         except Exception as e:
             _journal_broken(lora_request.lora_int_id, e)
             mgr = self._adapter_manager
@@ -369,7 +319,7 @@ def _guarded_activate(activate):
     def wrapper(self, lora_id):
         try:
             result = activate(self, lora_id)
-            _injected_activate_fault(lora_id)  # as a set_lora failing on the last module would
+            hooks.reached("worker-activated", lora_id)  # a raise here: as a set_lora failing would
             return result
         except Exception as e:
             if lora_id not in self.lora_index_to_id:
@@ -384,20 +334,6 @@ def _guarded_activate(activate):
 
     wrapper._loractl_guarded = True  # type: ignore[attr-defined]
     return wrapper
-
-
-def _poisoned(lora_request, lora):
-    if _fires(POISON, lambda needle: needle in str(lora_request.lora_path)):
-        for layer in getattr(lora, "loras", {}).values():
-            for b in layer.lora_b if isinstance(layer.lora_b, (list, tuple)) else [layer.lora_b]:
-                if b is not None:
-                    b.fill_(float("nan"))
-    return lora
-
-
-def _injected_activate_fault(lora_id: int) -> None:
-    if _fires(ACTIVATE_FAULT, lambda text: text == str(lora_id)):
-        raise RuntimeError(f"injected activation fault ({ACTIVATE_FAULT})")
 
 
 def _one_line(error: Exception) -> str:
@@ -415,31 +351,8 @@ def _journal_broken(lora_id: int, error: Exception) -> None:
         pass  # the request then runs on the dummy; it must not end the engine either
 
 
-def _injected_fault(lora_request) -> None:
-    if _fires(LOAD_FAULT, lambda needle: needle in str(lora_request.lora_path)):
-        raise RuntimeError(f"injected load fault ({LOAD_FAULT})")
-
-
-def _fires(variable: str, matches) -> bool:
-    """A test hook's trigger: True once (the arming file is removed) when the file the environment
-    variable names holds a text that ``matches`` accepts; False whenever it is not armed."""
-    armed = os.environ.get(variable)
-    if not armed:
-        return False
-    try:
-        with open(armed) as f:
-            text = f.read().strip()
-        if not text or not matches(text):
-            return False
-        os.unlink(armed)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
-                                   loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll,
-                                   loractl_step_times)}
+                                   loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll)}
 JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
 
 
@@ -447,9 +360,8 @@ def install() -> None:
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from vllm.v1.worker.worker_base import WorkerBase
 
-    timed = os.environ.get(STEP_TIMES) == "1"
     for name, method in METHODS.items():
-        setattr(WorkerBase, name, _timed_hold(method) if timed and name.startswith("loractl_preflight") else method)
+        setattr(WorkerBase, name, hooks.wrap(f"worker-call:{name}", method))
     for name in JOURNALED:
         method = getattr(LRUCacheWorkerLoRAManager, name)
         if not getattr(method, "_loractl_journaled", False):
@@ -464,5 +376,4 @@ def install() -> None:
 
     if not getattr(Worker.execute_model, "_loractl_scrubbed", False):
         Worker.execute_model = kv_scrub.scrubbed_steps(Worker.execute_model)
-    if os.environ.get(STEP_TIMES) == "1" and not getattr(Worker.execute_model, "_loractl_timed", False):
-        Worker.execute_model = _timed_steps(Worker.execute_model)
+    Worker.execute_model = hooks.wrap("worker-step", Worker.execute_model)
