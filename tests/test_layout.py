@@ -51,7 +51,7 @@ def test_only_engine_and_worker_import_vllm(path, tree):
     assert not bad, f"{path} imports {bad}: only loractld/engine and loractld/worker may import vllm"
 
 
-API_MAY_IMPORT = ("loractld.api", "loractld.core", "loractld.views", "loractld.events")
+API_MAY_IMPORT = ("loractld.api", "loractld.core", "loractld.views", "loractld.events", "loractld.trust")
 
 
 @pytest.mark.parametrize("path,tree", [(p, t) for p, t in MODULES if p.parts[0] == "api"],

@@ -15,7 +15,7 @@ import pytest
 from loractl.errors import PermissionDenied
 from loractld.core.policy import Caller, may_change
 from loractld.generation import GenerationRequest
-from loractld.store import ondemand
+from loractld.core import ondemand
 
 
 class _Core:

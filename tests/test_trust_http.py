@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from loractld.api.http import settings as http_settings
-from loractld.api.peers import may_change_state, tcp_peer_uid
+from loractld.trust.peers import may_change_state, tcp_peer_uid
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("curl"),

@@ -69,7 +69,7 @@ class DaemonSettings:
     admission_max_wait_s: float = DEFAULT_MAX_WAIT_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # the largest gRPC request message read
     dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
-    auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.store.ondemand)
+    auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.core.ondemand)
 
 
 class HomeInUse(LoractlError):

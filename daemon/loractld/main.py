@@ -13,7 +13,7 @@ from pathlib import Path
 from loractl import __version__
 from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
-from loractld.api import audit
+from loractld.trust import audit
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings

@@ -17,16 +17,15 @@ from pathlib import Path
 
 
 async def check(device: str) -> int:
-    from loractld.store.identity import AdapterRef
+    from loractld.engine.adapter import AdapterRef
     from loractld.models.tiny import DEMO_ADAPTERS, ensure_demo
     from loractld.engine.client import Engine, EngineSettings, Sampling
     from loractld.store.validate import validate_adapter
 
     root = ensure_demo(Path(tempfile.mkdtemp(prefix="loractl-selfcheck-")) / "demo")
     adapter_dir = root / "adapters" / DEMO_ADAPTERS[0].name
-    facts = validate_adapter(adapter_dir, max_lora_rank=16)
-    adapter = AdapterRef(label=DEMO_ADAPTERS[0].name, path=adapter_dir, digest="selfcheck0000000", facts=facts,
-                         engine_id=1)
+    validate_adapter(adapter_dir, max_lora_rank=16)  # the demo adapter is one the store would accept
+    adapter = AdapterRef(label=DEMO_ADAPTERS[0].name, path=adapter_dir, digest="selfcheck0000000", engine_id=1)
     began = time.monotonic()
     engine = await Engine.start(EngineSettings(model=str(root / "model"), device=device, max_model_len=256,
                                                kv_cache_bytes=64 << 20 if device == "cpu" else None))

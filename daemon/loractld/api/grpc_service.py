@@ -27,9 +27,9 @@ from grpclib.exceptions import GRPCError
 from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
-from loractld.api.audit import audited
+from loractld.trust.audit import audited
 from loractld.api.multiplexed import Multiplexed
-from loractld.api.peers import may_change_state
+from loractld.trust.peers import may_change_state
 from loractld.core import GenerationRequest
 from loractld.core import DEFAULT_MAX_TOKENS, Sampling, Structured, TokenLogprob
 from loractld.core.policy import Caller

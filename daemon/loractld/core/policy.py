@@ -3,7 +3,7 @@
 A door (the socket, HTTP, Dynamo) says *who* is calling — a :class:`Caller`, as the kernel or
 the API key identified it — and never decides itself whether that caller may pull, load, use a
 folder or make the daemon download: the core's operations take the caller and ask
-:func:`authorized`, which applies the one rule (``loractld.api.peers.may_change_state``: root,
+:func:`authorized`, which applies the one rule (``loractld.trust.peers.may_change_state``: root,
 the daemon's user, its socket group; or the holder of the HTTP API key) and writes the audit
 line however the operation ends. A new door or a new path to an operation cannot forget the
 rule, because the operation carries it.
@@ -20,8 +20,8 @@ import contextlib
 from dataclasses import dataclass
 
 from loractl.errors import PermissionDenied
-from loractld.api.audit import audited
-from loractld.api.peers import may_change_state
+from loractld.trust.audit import audited
+from loractld.trust.peers import may_change_state
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from loractld.core import policy
 from loractld.events import Event
 from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted
 from loractld.serving.admission import WAIT_BUCKETS, Ticket, TicketLabel
-from loractld.store import ondemand
+from loractld.core import ondemand
 
 if TYPE_CHECKING:
     from loractld.core.state import Catalog

@@ -55,7 +55,7 @@ class CoreState:
         self.socket_path = socket_path
         self.home = home
         self.served_model_name = served_model_name
-        self.auto_pull = False      # --auto-pull: see loractld.store.ondemand
+        self.auto_pull = False      # --auto-pull: see loractld.core.ondemand
         self.socket_gid: int | None = None  # --socket-group: its members may change state (core.policy)
         self.http_url = ""          # set by the HTTP front end once it listens
         self.catalog: Catalog | None = None

@@ -16,7 +16,16 @@ import json
 import logging
 import os
 
+from loractl.errors import InvalidAdapter
+
 _log = logging.getLogger(__name__)
+
+
+def broken_adapter(label: str, reason: str) -> InvalidAdapter:
+    """The error for an adapter the engine failed to load inside a step (and survived)."""
+    return InvalidAdapter(f"the engine could not load adapter {label!r}: {reason}",
+                          "The engine kept serving; the adapter is marked failed (loractl ls). Remove it, "
+                          "or pull a revision that loads.")
 
 
 class BrokenJournal:

@@ -35,8 +35,8 @@ from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling  # noqa
 from loractld.worker import cpu_fixes, hooks
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
-from loractld.store.identity import AdapterRef
-from loractld.store.preflight import broken_adapter
+from loractld.engine.adapter import AdapterRef
+from loractld.engine.broken import broken_adapter
 
 _log = logging.getLogger("loractld.engine")
 

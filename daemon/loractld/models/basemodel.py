@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loractld.store.validate import base_model_shapes
+from loractld.models.weights import base_model_shapes
 
 _log = logging.getLogger("loractld.basemodel")
 

@@ -107,7 +107,7 @@ def for_model(model: str, dtype: str, kv_cache_bytes: int | None) -> CpuDefaults
             config = json.loads((folder / "config.json").read_text())
         except ValueError:
             config = None
-        from loractld.store.validate import base_model_shapes
+        from loractld.models.weights import base_model_shapes
 
         try:
             shapes = base_model_shapes(folder)

@@ -18,29 +18,14 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
+from loractld.engine.adapter import AdapterRef
 from loractld.store.disk import Store, files_digest
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
 _ID_MASK = (1 << 31) - 1  # vLLM keeps ids in int32 tensors on some paths: stay positive int32
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """A resolved adapter: where it is, what it is, and its content-derived engine identity."""
-
-    label: str          # what the user called it: a store name or a folder
-    path: Path
-    digest: str
-    facts: AdapterFacts
-    engine_id: int
-
-    @property
-    def engine_name(self) -> str:
-        return f"{self.label}@{self.digest[:16]}"
 
 
 class AdapterResolver:
@@ -141,8 +126,8 @@ class AdapterResolver:
             label = lora
             # A pull --force accepted another base model's name once; every use honours it.
             forced = bool(stored.manifest.get("forced"))
-        facts = self._facts_for(digest, path, forced)
-        ref = AdapterRef(label=label, path=path, digest=digest, facts=facts, engine_id=self.id_for(digest))
+        self._facts_for(digest, path, forced)  # raises for content that does not validate
+        ref = AdapterRef(label=label, path=path, digest=digest, engine_id=self.id_for(digest))
         self._labels[ref.engine_id] = label
         return ref
 

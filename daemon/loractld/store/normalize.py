@@ -26,7 +26,8 @@ import struct
 from pathlib import Path
 
 from loractl.errors import InvalidAdapter
-from loractld.store.validate import WEIGHTS_FILE, read_safetensors_header
+from loractld.models.weights import read_safetensors_header
+from loractld.store.peft import WEIGHTS_FILE
 
 PREFIX = "base_model.model."
 # A LoRA weight with an adapter-name segment: <head>.lora_A.<adapter>.weight or

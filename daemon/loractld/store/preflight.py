@@ -27,19 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loractl.errors import AdapterNotFound, InvalidAdapter
+from loractld.engine.broken import broken_adapter
 
 if TYPE_CHECKING:
     from loractld.engine.client import Engine
 
 _log = logging.getLogger("loractld.preflight")
 _ID_MASK = (1 << 31) - 1
-
-
-def broken_adapter(label: str, reason: str) -> InvalidAdapter:
-    """The error for an adapter the engine failed to load inside a step (and survived)."""
-    return InvalidAdapter(f"the engine could not load adapter {label!r}: {reason}",
-                          "The engine kept serving; the adapter is marked failed (loractl ls). Remove it, "
-                          "or pull a revision that loads.")
 
 
 class Preflight:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import InvalidAdapter
-from loractld.store.validate import (_EMBEDDING_KEY, _LORA_KEY, CONFIG_FILE, TensorInfo, _compiled, _Ranks,
-                                     read_safetensors_header)
+from loractld.models.weights import TensorInfo, read_safetensors_header
+from loractld.store.peft import CONFIG_FILE, EMBEDDING_KEY, LORA_KEY, Ranks, compiled_pattern
 
 # The largest scaling an adapter may have: float16's largest finite value. A scaling that alone
 # overflows half precision (lora_alpha 1e38) turns every output it touches into inf or NaN.
@@ -63,14 +63,14 @@ class Targets:
         targets, exclude = config.get("target_modules"), config.get("exclude_modules")
         for field_name, value in (("target_modules", targets), ("exclude_modules", exclude)):
             if isinstance(value, str) and value != "all-linear":
-                _compiled(field_name, value)
+                compiled_pattern(field_name, value)
             elif value is not None and not isinstance(value, (str, list)):
                 raise InvalidAdapter(f"{CONFIG_FILE}: {field_name} is {value!r}, not a pattern or a list",
                                      "Fix the adapter's config.")
         pattern = config.get("layers_pattern") or ()
         pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern)
         for p in pattern:
-            _compiled("layers_pattern", rf".*\.{p}\.(\d+)\.", p)
+            compiled_pattern("layers_pattern", rf".*\.{p}\.(\d+)\.", p)
         layers = config.get("layers_to_transform")
         return cls(targets, tuple(config.get("target_parameters") or ()), exclude, layers, pattern)
 
@@ -106,7 +106,7 @@ class Targets:
                                      "Fix the config's target_modules; the model's modules are named like "
                                      f"{sorted(modules)[0]!r}.")
         for name in tensors:
-            match = _LORA_KEY.match(name) or _EMBEDDING_KEY.match(name)
+            match = LORA_KEY.match(name) or EMBEDDING_KEY.match(name)
             if match and not self.applies_to(match["module"]):
                 raise InvalidAdapter(
                     f"tensor {name!r} is for module {match['module']!r}, which the config's target_modules"
@@ -123,7 +123,7 @@ def _largest(numpy, bits, dtype: str) -> float:
     return 0.0
 
 
-def check_scalings(config: dict, ranks: _Ranks) -> None:
+def check_scalings(config: dict, ranks: Ranks) -> None:
     """Refuse a ``lora_alpha`` (or ``alpha_pattern`` value) that is not a finite number, and a
     scaling (alpha / r, or alpha / sqrt(r) with rsLoRA) beyond what float16 holds."""
     alphas = {"lora_alpha": config.get("lora_alpha", ranks.r)}

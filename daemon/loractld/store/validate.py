@@ -13,36 +13,20 @@ files, only finite weights, and scalings that half precision holds (``store.sema
 from __future__ import annotations
 
 import json
-import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loractl.errors import InvalidAdapter
+from loractld.store import normalize, semantics
+# The store's other modules and the tests take the file names from here.
+from loractld.store.peft import CONFIG_FILE, EMBEDDING_KEY, LORA_KEY, WEIGHTS_FILE, Ranks  # noqa: F401
+# The store's checks and the tests take these from here; they read any weights file, the base model's too.
+from loractld.models.weights import (MAX_HEADER_BYTES, TensorInfo, base_model_shapes,  # noqa: F401
+                                     read_safetensors_header)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
-# A safetensors header is JSON parsed in one call that holds the GIL: bounded so that parsing one
-# cannot stall the event loop (a 25 MB header of 200,000 tensors stalled every client 1.6 s).
-# 8 MiB holds some 45,000 tensor entries: an all-linear LoRA of a 128-expert MoE model.
-MAX_HEADER_BYTES = 8 << 20
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
-}
-# base_model.model.<module path>.lora_A.weight (PEFT), optionally with an adapter name segment.
-_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-# An embedding's LoRA: base_model.model.<module>.lora_embedding_A (PEFT), likewise.
-_EMBEDDING_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?$")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass
@@ -54,64 +38,6 @@ class AdapterFacts:
     target_modules: list[str]
     base_model: str | None
     peft_config: dict = field(repr=False, default_factory=dict)
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check a safetensors file's header against the file's size.
-
-    Catches truncation, garbage and overlapping or out-of-range tensors without reading data.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("file shorter than the 8-byte header length")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > size - 8:  # the value itself is not shown: it is the file's first 8 bytes
-                raise ValueError(f"its header length does not fit a {size}-byte file")
-            if header_len > MAX_HEADER_BYTES:
-                raise ValueError(f"its header is {header_len} bytes, over the {MAX_HEADER_BYTES >> 20} MiB a "
-                                 "LoRA adapter's needs")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise InvalidAdapter(f"{path.name} is not a valid safetensors file: {e}",
-                             "The file is corrupt or truncated: pull the adapter again.") from e
-    if not isinstance(header, dict):
-        raise InvalidAdapter(f"{path.name} is not a valid safetensors file: header is not an object",
-                             "The file is corrupt: pull the adapter again.")
-    data_len = size - 8 - header_len
-    tensors: dict[str, TensorInfo] = {}
-    spans = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidAdapter(f"{path.name}: tensor {name!r} has a malformed header entry",
-                                 "The file is corrupt: pull the adapter again.") from e
-        if not (0 <= start <= end <= data_len) or end - start != nbytes:
-            raise InvalidAdapter(
-                f"{path.name} is truncated or corrupt: tensor {name!r} spans bytes {start}-{end} "
-                f"of a {data_len}-byte data section",
-                "Pull the adapter again; if it persists, the source file itself is damaged.",
-            )
-        spans.append((start, end))
-        tensors[name] = TensorInfo(dtype, shape)
-    spans.sort()
-    if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
-        raise InvalidAdapter(f"{path.name} is corrupt: tensors overlap", "Pull the adapter again.")
-    return tensors
-
-
-def base_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Weight shapes of a local base model, from its safetensors headers (no data read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        shapes.update({name: info.shape for name, info in read_safetensors_header(file).items()})
-    return shapes
 
 
 def model_names_match(adapter_base: str, model_names: set[str]) -> bool:
@@ -183,7 +109,7 @@ def validate_adapter(
             f"{WEIGHTS_FILE} is {weights.stat().st_size} bytes, over the cap of {max_weights_bytes}",
             "Raise the daemon's --max-adapter-size if this adapter is really that large.",
         )
-    ranks = _Ranks.of(config)
+    ranks = Ranks.of(config)
     ranks.check_limit(max_lora_rank)
     base = config.get("base_model_name_or_path") or None
     if base and model_names and not force and not model_names_match(str(base), model_names):
@@ -194,11 +120,9 @@ def validate_adapter(
     tensors = read_safetensors_header(weights)
     _refuse_unnormalized_keys(list(tensors))
     modules = _check_tensors(tensors, ranks, base_shapes)
-    from loractld.store.semantics import Targets, check_scalings, check_values  # they import this module
-
-    Targets.of(config).check(tensors, base_shapes)
-    check_scalings(config, ranks)
-    check_values(weights)
+    semantics.Targets.of(config).check(tensors, base_shapes)
+    semantics.check_scalings(config, ranks)
+    semantics.check_values(weights)
     alpha = config.get("lora_alpha", ranks.r)
     return AdapterFacts(rank=ranks.largest, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(ranks.r),
                         target_modules=sorted(modules), base_model=base, peft_config=config)
@@ -207,9 +131,7 @@ def validate_adapter(
 def _refuse_unnormalized_keys(keys: list[str]) -> None:
     """A folder used in place (``--lora /path``, placed by hand) is never rewritten; a pull
     normalises these spellings first (``store.normalize``), so this fires for those only."""
-    from loractld.store.normalize import needs_normalizing  # it imports this module
-
-    respelled = needs_normalizing(keys)
+    respelled = normalize.needs_normalizing(keys)
     if respelled:
         raise InvalidAdapter(f"the tensor keys are not in PEFT's standard layout, which vLLM needs (a pull "
                              f"{' and '.join(respelled)})",
@@ -243,59 +165,6 @@ def _refuse_unservable_features(config: dict) -> None:
                              "vLLM serves LoRA deltas only", _RETRAIN)
 
 
-@dataclass(frozen=True)
-class _Ranks:
-    """``r`` with PEFT's per-module ``rank_pattern`` (a key matches a module name's dotted
-    suffix, the first match wins: PEFT's ``get_pattern_key``, which vLLM's PEFTHelper follows)."""
-
-    r: int
-    pattern: dict
-
-    @classmethod
-    def of(cls, config: dict) -> _Ranks:
-        rank = config.get("r")
-        if not _positive_int(rank):
-            raise InvalidAdapter(f"{CONFIG_FILE} has no valid rank 'r' ({rank!r})", "Fix or re-pull the adapter.")
-        pattern = config.get("rank_pattern") or {}
-        if not isinstance(pattern, dict) or not all(_positive_int(v) for v in pattern.values()):
-            raise InvalidAdapter(f"{CONFIG_FILE} has an invalid rank_pattern ({pattern!r})", "Fix or re-pull the adapter.")
-        for field_name in ("rank_pattern", "alpha_pattern"):
-            for key in (config.get(field_name) or {}) if isinstance(config.get(field_name), dict) else ():
-                _compiled(field_name, rf"(.*\.)?({key})$", key)
-        return cls(rank, dict(pattern))
-
-    @property
-    def largest(self) -> int:
-        return max([self.r, *self.pattern.values()])
-
-    def check_limit(self, max_lora_rank: int) -> None:
-        if self.largest <= max_lora_rank:
-            return
-        source = "" if self.largest == self.r else \
-            f" (rank_pattern's largest, for {next(k for k, v in self.pattern.items() if v == self.largest)!r}; r is {self.r})"
-        raise InvalidAdapter(f"adapter rank {self.largest}{source} is above the daemon's max LoRA rank {max_lora_rank}",
-                             f"Restart the daemon with --max-lora-rank {next_supported_rank(self.largest)}.")
-
-    def of_module(self, module: str) -> int:
-        for key, rank in self.pattern.items():
-            if re.match(rf"(.*\.)?({key})$", module):
-                return rank
-        return self.r
-
-
-def _compiled(field_name: str, pattern: str, shown: str | None = None) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except (re.error, TypeError) as e:
-        raise InvalidAdapter(f"{CONFIG_FILE}: {field_name} holds an invalid pattern ({shown or pattern!r}: {e})",
-                             "Fix the adapter's config: PEFT reads these keys as regular expressions.") from e
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-# What PEFT saves that is not a plain LoRA pair: (pattern on the key, what it is).
 _NOT_LORA = (
     (re.compile(r"\.lora_magnitude_vector(\.[^.]+)?(\.weight)?$"), "a DoRA magnitude: the adapter uses DoRA (use_dora)"),
     (re.compile(r"\.lora_[AB](\.[^.]+)?\.bias$"), "a LoRA bias: the adapter uses LoRA bias (lora_bias)"),
@@ -308,7 +177,7 @@ _NOT_LORA = (
 _BASE_EMBEDDING = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+\.)?(?P<name>embed_tokens|lm_head)\.base_layer\.weight$")
 
 
-def _check_tensors(tensors: dict[str, TensorInfo], ranks: _Ranks, base_shapes: dict | None) -> set[str]:
+def _check_tensors(tensors: dict[str, TensorInfo], ranks: Ranks, base_shapes: dict | None) -> set[str]:
     if not tensors:
         raise InvalidAdapter(f"{WEIGHTS_FILE} holds no tensors", "Pull the complete adapter.")
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -317,7 +186,7 @@ def _check_tensors(tensors: dict[str, TensorInfo], ranks: _Ranks, base_shapes: d
         if embedding:
             _check_base_embedding(name, info, f"{embedding['module'] or ''}{embedding['name']}", base_shapes)
             continue
-        match = _LORA_KEY.match(name) or _EMBEDDING_KEY.match(name)
+        match = LORA_KEY.match(name) or EMBEDDING_KEY.match(name)
         if not match:
             what = next((what for pattern, what in _NOT_LORA if pattern.search(name)), None)
             if what is not None:
@@ -372,10 +241,3 @@ def _check_base_embedding(name: str, info: TensorInfo, module: str, base_shapes:
             f"the adapter's {module} has shape {'x'.join(map(str, info.shape))}, the model's "
             f"{'x'.join(map(str, base))}: it was trained with added tokens (a resized vocabulary)",
             "vLLM serves an adapter on the model's own vocabulary only; retrain without new tokens.")
-
-
-def next_supported_rank(rank: int) -> int:
-    for supported in (8, 16, 32, 64, 128, 256, 320, 512):
-        if supported >= rank:
-            return supported
-    return rank

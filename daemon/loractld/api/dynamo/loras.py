@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 
 from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
 
-from loractld.api.audit import audited
+from loractld.trust.audit import audited
 from loractld.api.dynamo.protocol import described
 from loractld.core import policy
 

@@ -28,7 +28,7 @@ from loractl.errors import EngineUnavailable, InvalidRequest, LoractlError, one_
 from loractld.core import Delta, GenerationRequest, Prepared, Sampling, Structured, TokenLogprob
 from loractld.core.policy import Caller
 
-FLEET = Caller("dynamo", fleet=True, peer="dynamo=frontend")  # a fleet placement: see loractld.store.ondemand
+FLEET = Caller("dynamo", fleet=True, peer="dynamo=frontend")  # a fleet placement: see loractld.core.ondemand
 
 MAX_CHOICES = 128               # n per request (the HTTP door's default --http-max-choices)
 FULL_VOCABULARY = 2 ** 32 - 1   # Dynamo's logprobs value for "every token of the vocabulary"

@@ -35,12 +35,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from loractl import __version__
 from loractl.errors import LoractlError
-from loractld.api import audit, ollama
+from loractld.api import ollama
+from loractld.trust import audit
 from loractld.api.http import models
 from loractld.api.http.errors import HttpError, error_response, from_domain
 from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, json_body, parse
 from loractld.api.http.serving import ROUTES, Limiter, Serving
-from loractld.api.peers import may_change_state, tcp_peer_uid
+from loractld.trust.peers import may_change_state, tcp_peer_uid
 
 if TYPE_CHECKING:
     from loractld.api.http.settings import HttpSettings

@@ -19,7 +19,7 @@ from starlette.responses import PlainTextResponse
 from loractl.errors import AdapterNotFound, InvalidRequest
 from loractld.api.http.errors import from_domain, unknown_model
 from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from loractld.api.audit import audited
+from loractld.trust.audit import audited
 from loractld.core import Core, UnknownModel
 from loractld.views import AdapterView
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 
 from loractld.api.ollama.options import KeepAlive, refusal
-from loractld.api.peers import tcp_peer_uid
+from loractld.trust.peers import tcp_peer_uid
 from loractld.core import policy
 
 if TYPE_CHECKING:

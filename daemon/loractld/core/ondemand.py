@@ -27,9 +27,10 @@ from loractl.names import default_name
 from loractld.core import policy
 
 if TYPE_CHECKING:
-    from loractld.core import Core, GenerationRequest
+    from loractld.core.disk_ops import DiskOps
+    from loractld.generation import GenerationRequest
 
-_log = logging.getLogger("loractld.store.ondemand")
+_log = logging.getLogger("loractld.core.ondemand")
 _HUB_REF = re.compile(r"^(hf://)?[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?(/[\w./-]+)?$")
 
 
@@ -45,7 +46,7 @@ def stored_name_for(ref: str) -> str | None:
         return None
 
 
-async def adapter_name(core: Core, request: GenerationRequest) -> str:
+async def adapter_name(core: DiskOps, request: GenerationRequest) -> str:
     """The name to resolve for ``request.lora``: itself, or the store name of the Hub reference
     it names, pulled first when allowed (see the module's invariants)."""
     lora, caller = request.lora, request.caller
