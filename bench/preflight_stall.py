@@ -37,7 +37,10 @@ async def run(args) -> dict:
     import loractl_test_hooks
 
     os.environ[loractl_test_hooks.STEP_TIMES] = "1"  # read when the engine installs its worker
-    from loractld.engine.client import Engine, EngineSettings, Sampling
+    from loractld.engine import vllm_requests
+    from loractld.engine.client import Engine, EngineSettings
+    from loractld.engine.openai_serving import unadmitted_surface
+    from loractld.engine.sampling import Sampling
     from loractld.engine import compat
     from loractld.models.tiny import DemoAdapter, build_adapter
 
@@ -63,6 +66,7 @@ async def run(args) -> dict:
 
     windows: dict[str, list[tuple[float, float]]] = {"inline": [], "thread": []}
     stop = asyncio.Event()
+    surface = unadmitted_surface(engine)
 
     async def stream(i: int) -> int:
         done = 0
@@ -70,8 +74,9 @@ async def run(args) -> dict:
             # Lengths staggered per stream: requests that all ended in one step would all start
             # again in one prefill step (seconds on a CPU), a stall of its own that is no preflight's.
             length = args.tokens + 3 * i
-            async for delta in engine.generate([1 + (i * 7 + j) % 400 for j in range(24)],
-                                               Sampling(max_tokens=length, min_tokens=length, temperature=0.0)):
+            async for delta in vllm_requests.generate(
+                    surface, Sampling(max_tokens=length, min_tokens=length, temperature=0.0),
+                    prompt_token_ids=[1 + (i * 7 + j) % 400 for j in range(24)]):
                 done += len(delta.token_ids)
         return done
 

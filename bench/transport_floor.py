@@ -50,7 +50,7 @@ class StepCore:
         return SimpleNamespace(adapter=None, prompt_ids=PROMPT_IDS, sampling=generation.sampling)
 
     async def run(self, prepared):
-        from loractld.engine.client import Delta
+        from loractld.engine.sampling import Delta
 
         count = prepared.sampling.max_tokens
         for i in range(count):

@@ -174,7 +174,7 @@ def test_a_daemon_without_generate_many_is_served_over_generate(tmp_path):
     from grpclib.server import Server
 
     from loractld.api.grpc_service import LoractlService
-    from loractld.engine.client import Delta
+    from loractld.engine.sampling import Delta
 
     class EngineDouble:
         async def prepare(self, generation):

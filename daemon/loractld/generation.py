@@ -4,12 +4,11 @@ checks of that step. Plain data and pure functions; the doors reach them through
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from loractl.errors import AdapterNotFound, InvalidRequest
-from loractld.engine.client import Sampling
+from loractl.errors import AdapterNotFound
+from loractld.engine.sampling import Sampling, fitted  # noqa: F401 - the core's doors take it from here
 
 if TYPE_CHECKING:
     from loractld.core.policy import Caller
@@ -47,6 +46,8 @@ class Prepared:
     # Holds the adapter's folder from resolve to the request's end (copies share it; it goes
     # when the last copy does, so a request prepared and never run cannot keep it for good).
     lease: Lease | None = None
+    # vLLM's rendered request and its SamplingParams (loractld.engine.vllm_requests.Planned).
+    planned: Any = None
 
 
 class UnknownModel(AdapterNotFound):
@@ -60,23 +61,3 @@ class UnknownModel(AdapterNotFound):
         super().__init__(f"no adapter named {name!r} in the store", hint)
         self.name = name
         self.close_matches = close_matches
-
-
-def fitted(sampling: Sampling, prompt_tokens: int, engine: Engine) -> Sampling:
-    """``sampling`` checked, with max_tokens None filled with what the context leaves."""
-    if sampling.max_tokens is None:
-        room = engine.max_model_len - prompt_tokens
-        if room < 1:
-            raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) fills the context of "
-                                 f"{engine.max_model_len} tokens", "Shorten the prompt.")
-        limit = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
-        sampling = dataclasses.replace(sampling, max_tokens=limit)
-    if sampling.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}")
-    if sampling.min_tokens < 0 or sampling.min_tokens > sampling.max_tokens:
-        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {sampling.min_tokens}")
-    if sampling.temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
-    return sampling

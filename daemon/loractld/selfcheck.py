@@ -19,7 +19,10 @@ from pathlib import Path
 async def check(device: str) -> int:
     from loractld.engine.adapter import AdapterRef
     from loractld.models.tiny import DEMO_ADAPTERS, ensure_demo
-    from loractld.engine.client import Engine, EngineSettings, Sampling
+    from loractld.engine import vllm_requests
+    from loractld.engine.client import Engine, EngineSettings
+    from loractld.engine.openai_serving import unadmitted_surface
+    from loractld.engine.sampling import Sampling
     from loractld.store.validate import validate_adapter
 
     root = ensure_demo(Path(tempfile.mkdtemp(prefix="loractl-selfcheck-")) / "demo")
@@ -30,11 +33,12 @@ async def check(device: str) -> int:
     engine = await Engine.start(EngineSettings(model=str(root / "model"), device=device, max_model_len=256,
                                                kv_cache_bytes=64 << 20 if device == "cpu" else None))
     try:
-        prompt = await engine.render_chat([{"role": "user", "content": "hello"}])
+        surface = unadmitted_surface(engine)   # the daemon's request path, without its admission gate
         outputs = {}
         for name, ref in (("base", None), ("lora", adapter)):
             ids: list[int] = []
-            async for delta in engine.generate(prompt, Sampling(max_tokens=8, min_tokens=8, temperature=0.0), ref):
+            async for delta in vllm_requests.generate(surface, Sampling(max_tokens=8, min_tokens=8, temperature=0.0),
+                                                      ref, messages=[{"role": "user", "content": "hello"}]):
                 ids += delta.token_ids
             outputs[name] = ids
     finally:

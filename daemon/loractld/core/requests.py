@@ -31,9 +31,10 @@ from loractl.errors import AdapterNotFound, EngineUnavailable, InvalidRequest
 from loractld.worker import hooks
 from loractld.core import policy
 from loractld.events import Event
-from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted
+from loractld.generation import GenerationRequest, Prepared, UnknownModel
 from loractld.serving.admission import WAIT_BUCKETS, Ticket, TicketLabel
 from loractld.core import ondemand
+from loractld.engine import vllm_requests
 
 if TYPE_CHECKING:
     from loractld.core.state import Catalog
@@ -131,44 +132,48 @@ class RequestPath:
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
         """Everything that can refuse a request before the engine sees it: the adapter, the
-        messages, the prompt's tokens against the context, the sampling parameters."""
+        messages, the prompt's tokens against the context, the sampling parameters. The prompt is
+        rendered and the sampling fields mapped by vLLM's serving classes, as for the HTTP door
+        (:mod:`loractld.engine.vllm_requests`): every door's request takes the same path."""
         engine, _ = await self._wait_engine()
         given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
+        if request.messages is not None:
+            if not request.messages:
+                raise InvalidRequest("no messages", "Send at least one message.")
+            for m in request.messages:
+                if m["role"] not in ROLES:
+                    raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
+        surface = await self.openai_surface()
         adapter, name, lease = await self.resolve_model(request.lora, request.caller, request.allow_folders,
                                                         ondemand_request=request)
         try:
-            if request.messages is not None:
-                if not request.messages:
-                    raise InvalidRequest("no messages", "Send at least one message.")
-                for m in request.messages:
-                    if m["role"] not in ROLES:
-                        raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
-                prompt_ids = await engine.render_chat(request.messages)
-            elif request.prompt_token_ids is not None:
-                prompt_ids = list(request.prompt_token_ids)
-            else:
-                prompt_ids = await engine.encode(request.prompt)
-            sampling = fitted(request.sampling, len(prompt_ids), engine)
+            planned = await vllm_requests.plan(
+                surface, model=surface.served_name, messages=request.messages, prompt=request.prompt or None,
+                prompt_token_ids=request.prompt_token_ids, sampling=request.sampling)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        return Prepared(engine, adapter, name, prompt_ids, sampling, lease)
+        return Prepared(engine, adapter, name, planned.prompt_ids, planned.sampling, lease, planned)
 
     async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
-        """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine."""
+        """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine.
+        It enters the engine as an HTTP request's does: through the admitted engine client
+        (admission, stop-string abort, broken-adapter check, token counts in one place)."""
         adapter, name = prepared.adapter, prepared.name
         # This run's own lease: the prepared one is shared by every copy of ``prepared``.
         lease = prepared.lease.share() if prepared.lease is not None else None
         try:
-            async with self.engine_request(adapter, name) as label:
-                async with contextlib.aclosing(prepared.engine.generate(
-                        prepared.prompt_ids, prepared.sampling, adapter)) as deltas:
-                    async for delta in deltas:
-                        self._generated(label, len(delta.token_ids))
-                        yield delta
+            surface = await self.openai_surface()
+            planned = prepared.planned
+            params = planned.params if prepared.sampling is planned.sampling else \
+                vllm_requests.sampling_params(surface, planned, prepared.sampling)
+            scope = surface.scope(name or (adapter.label if adapter else ""), adapter, name, current=False)
+            async with contextlib.aclosing(vllm_requests.deltas(surface, planned, params, scope)) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             if lease is not None:
                 # Both: the prepared lease too, now rather than when the last copy of ``prepared``

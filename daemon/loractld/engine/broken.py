@@ -6,7 +6,7 @@ extension appends one JSON line per such failure to a journal file
 (``worker_ext.BROKEN_JOURNAL``) before the step's outputs leave. ``BrokenJournal`` is the only
 reader: it takes in the lines written since its last read (one ``stat`` when none were) and
 owns ``broken``, engine id -> why. Invariant: read before an output of a step is handed on, a
-failure of that step's load is known by then (``Engine.generate``, ``Engine.add_adapter``).
+failure of that step's load is known by then (``AdmittedEngineClient.generate``, ``Engine.add_adapter``).
 """
 
 from __future__ import annotations

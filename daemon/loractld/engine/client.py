@@ -1,7 +1,9 @@
-"""The engine: the only module of loractl that imports vllm.
+"""The engine: vLLM's ``AsyncLLM`` with LoRA enabled, started and stopped, and its adapter tiers.
 
-Wraps vLLM's ``AsyncLLM``: start and stop, streaming generation with a ``LoRARequest``. It
-applies the CPU fixes (see ``cpu_fixes``) when running on the CPU.
+Generation does not go through this class: every door's request enters the engine through
+vLLM's serving classes and ``openai_serving.AdmittedEngineClient`` (see ``vllm_requests``).
+It applies the CPU fixes (see ``cpu_fixes``) when running on the CPU. Which of vLLM's internals
+it reaches, and why, is listed in ``loractld.worker.vllm_seam``.
 
 Invariants:
 - ``vllm`` and ``torch`` are imported inside functions, never at module import, so the rest
@@ -13,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib.util
 import logging
@@ -21,18 +22,15 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loractl.errors import EngineUnavailable, InvalidAdapter, InvalidRequest
-from loractld.engine import compat, tokens
+from loractl.errors import EngineUnavailable
+from loractld.engine import compat
 from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
 from loractld.engine.openai_serving import ServeOptions
-from loractld.engine.params import client_errors, refusal, to_sampling_params, token_logprobs
-from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling  # noqa: F401 - the core takes them from here
-from loractld.worker import cpu_fixes, hooks
+from loractld.worker import cpu_fixes, hooks, vllm_seam
 from loractld.worker import plugin as vllm_plugin
 from loractld.worker import extension as worker_ext
 from loractld.engine.adapter import AdapterRef
@@ -42,9 +40,6 @@ _log = logging.getLogger("loractld.engine")
 
 # Variables that belong to loractld's own process and must not leak into vLLM's children:
 # systemd would otherwise accept their notifications, or they would try to reuse our sockets.
-# Prompts up to this many characters are tokenized on the event loop (see Engine._off_loop).
-INLINE_TOKENIZE_CHARS = 2048
-
 _PRIVATE_ENV = ("NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
@@ -137,12 +132,6 @@ class Engine:
         self.settings = settings
         self.device = device
         self.start_seconds = start_seconds
-        self._tokenizer = llm.get_tokenizer()
-        self._encode_text = tokens.encoder(self._tokenizer)
-        # Rendering a chat template and tokenizing take milliseconds of pure Python/Rust work;
-        # on the event loop they would stall every stream the daemon serves. One thread, as
-        # in vLLM's own server: HF fast tokenizers are not safe to call from several at once.
-        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loractl-tokenizer")
         self._generation_defaults: dict[str, Any] | None = None
         self._journal = BrokenJournal(os.environ.get(worker_ext.BROKEN_JOURNAL, ""))
         import vllm
@@ -162,6 +151,7 @@ class Engine:
         device = resolve_device(settings.device)
         compat.uncache_vllm_environment()  # this start's settings (below) must be the ones read
         _prepare_environment(device, settings.cpu_fixes)
+        vllm_seam.check()  # a vLLM whose internals moved is refused here, naming what moved
         worker_ext.install()  # for a worker vLLM might run in this process
         if device == "cpu" and settings.cpu_fixes:
             cpu_fixes.install()  # likewise
@@ -196,6 +186,7 @@ class Engine:
             enable_prefix_caching=settings.enable_prefix_caching,
             enforce_eager=device == "cpu",
             seed=settings.seed,
+            worker_extension_cls=worker_ext.EXTENSION_CLS,   # loractl's worker methods (collective_rpc)
             **compat.structured_output_args(settings.openai.reasoning_parser, settings.openai.structured_outputs_config),
         )
         try:
@@ -215,44 +206,6 @@ class Engine:
                   "" if settings.max_model_len else " (the model's own, fitted to the KV cache)", engine.max_num_seqs)
         return engine
 
-    async def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template."""
-        return await self._off_loop(self._render_chat, messages, sum(len(m["content"]) for m in messages))
-
-    async def encode(self, prompt: str) -> list[int]:
-        """Token ids of a raw prompt."""
-        return await self._off_loop(self._encode, prompt, len(prompt))
-
-    async def _off_loop(self, work, argument, size: int):
-        # A short prompt renders and tokenizes in tens of microseconds, less than the hop to
-        # a thread and back costs (and that hop is on every request's time to first token);
-        # a long one can take milliseconds and would stall every other stream.
-        if size <= INLINE_TOKENIZE_CHARS:
-            return work(argument)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, argument)
-
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        template = self.settings.chat_template or getattr(self._tokenizer, "chat_template", None)
-        if not template:
-            raise InvalidRequest(f"the model {self.settings.model!r} has no chat template",
-                                 "Send the prompt as is (loractl run --raw PROMPT), or restart the daemon "
-                                 "with --chat-template FILE.")
-        try:
-            text = self._tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                       tokenize=False)
-        except Exception as e:
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InvalidRequest(
-                f"the model's chat template could not render these messages: {first_line}",
-                "Send a raw prompt instead (loractl run --raw).",
-            ) from e
-        return self._encode_text(text, False)
-
-    def _encode(self, prompt: str) -> list[int]:
-        # The tokenizer's own special tokens, as vLLM and HF add them by default: a model whose
-        # tokenizer adds BOS answers in loops without it.
-        return self._encode_text(prompt, True)
-
     def _lora_request(self, adapter: AdapterRef):
         from vllm.lora.request import LoRARequest
 
@@ -260,65 +213,6 @@ class Engine:
         # between vLLM releases (loractld.engine.compat).
         return LoRARequest(**compat.lora_request_kwargs(LoRARequest.__struct_fields__, name=adapter.engine_name,
                                                         engine_id=adapter.engine_id, path=str(adapter.path)))
-
-    async def generate(
-        self, prompt_token_ids: list[int], sampling: Sampling, adapter: AdapterRef | None = None
-    ) -> AsyncIterator[Delta]:
-        """Stream a completion. Cancelling the iteration aborts the request in the engine."""
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", "Give a prompt with at least one token.")
-        room = self.max_model_len - len(prompt_token_ids)
-        if sampling.max_tokens is None and room < 1:
-            raise InvalidRequest(f"the prompt ({len(prompt_token_ids)} tokens) fills the context of "
-                                 f"{self.max_model_len} tokens", "Shorten the prompt.")
-        if sampling.max_tokens is not None and sampling.max_tokens > room:
-            raise InvalidRequest(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"the context of {self.max_model_len} tokens",
-                "Lower --max-tokens or shorten the prompt.",
-            )
-        max_tokens = sampling.max_tokens if sampling.max_tokens is not None else min(
-            sampling.default_max_tokens or room, room)
-        params = to_sampling_params(sampling, max_tokens)  # raises InvalidRequest naming the field
-        top = sampling.logprobs  # None (most requests): no logprobs to convert
-        lora_request = self._lora_request(adapter) if adapter else None
-        request_id = uuid.uuid4().hex
-        first = True
-        engine_ids: list[str] = []
-        try:
-            async for out in self._llm.generate(
-                compat.token_prompt(prompt_token_ids), params, request_id, lora_request=lora_request
-            ):
-                if first:
-                    engine_ids = self._engine_request_ids(request_id)
-                if out.finished and isinstance(out.outputs[0].stop_reason, str) and engine_ids:
-                    await self._abort_in_engine(engine_ids)
-                if adapter is not None:
-                    # The step that loaded the adapter ran before this output: a failed load
-                    # is journaled by now, and its stand-in's tokens never reach the client.
-                    self._refuse_if_broken(adapter)
-                completion = out.outputs[0]
-                delta = Delta(
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
-                    finish_reason=completion.finish_reason if out.finished else None,
-                    prompt_token_ids=list(out.prompt_token_ids or prompt_token_ids) if first else None,
-                )
-                if top is not None:
-                    delta.logprobs = token_logprobs(completion.logprobs, delta.token_ids, top)
-                yield delta
-                first = False
-        except (InvalidRequest, InvalidAdapter, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            if self.errored:
-                raise EngineUnavailable(f"the engine died: {e}", "Restart the daemon; see its log for the cause.") from e
-            if first and isinstance(e, client_errors()):
-                # vLLM's own checks of the request (a token id outside the vocabulary, a regex
-                # its grammar compiler refuses, ...), made before the first output: the
-                # request's fault, not the daemon's.
-                raise refusal(e, sampling) from e
-            raise
 
     def _engine_request_ids(self, request_id: str) -> list[str]:
         """The engine core's own ids for ``request_id`` (vLLM 0.32 gives each request an internal
@@ -442,7 +336,6 @@ class Engine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         llm.shutdown()
         self._journal.remove()
         # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit

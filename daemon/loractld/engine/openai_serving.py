@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
@@ -183,14 +184,16 @@ class AdmittedEngineClient:
         return getattr(self._llm, name)
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *, lora_request: Any = None,
-                       **kwargs: Any) -> AsyncIterator[Any]:
+                       scope: RequestScope | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        """vLLM's ``generate``, admitted; ``scope`` is the request's adapter (default: :data:`CURRENT`,
+        which vLLM's handlers run in; the core passes its own for the gRPC and Dynamo doors)."""
         from vllm.sampling_params import RequestOutputKind
 
-        scope = CURRENT.get()
+        scope = scope if scope is not None else CURRENT.get()
         adapter = scope.adapter if scope is not None else None
         if (lora_request is None) != (adapter is None) or (
                 adapter is not None and lora_request.lora_int_id != adapter.engine_id):
-            raise RuntimeError("an engine request for an adapter its HTTP request did not resolve")
+            raise RuntimeError("an engine request for an adapter its request did not resolve")
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         # A whole answer (FINAL_ONLY, stream: false) is followed step by step, as CUMULATIVE, and
         # only its final output is handed on: its first token is seen when it comes (Ollama's
@@ -240,6 +243,7 @@ class OpenAISurface:
         self._routes = compat.openai_serving(self.client, ScopedModels, served_names, engine.settings.model,
                                              options, engine.settings.chat_template)
         self._validators: dict[str, Any] = {}
+        self.served_name = served_names[0]   # the base model's name, as the serving classes know it
 
     def fields(self, route: str) -> set[str]:
         """The request fields ``route`` knows (names and aliases)."""
@@ -251,24 +255,70 @@ class OpenAISurface:
             known |= set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
         return known
 
-    def scope(self, model: str, adapter: Any, name: str | None) -> RequestScope:
-        """Set the current request's adapter (see :data:`CURRENT`), for this task and the tasks
-        it starts from now on."""
+    def scope(self, model: str, adapter: Any, name: str | None, *, current: bool = True) -> RequestScope:
+        """The request's adapter as a :class:`RequestScope`; set as :data:`CURRENT` (``current``),
+        for this task and the tasks it starts from now on."""
         scope = RequestScope(model=model, adapter=adapter, name=name,
                              lora_request=self._engine._lora_request(adapter) if adapter is not None else None)
-        CURRENT.set(scope)
+        if current:
+            CURRENT.set(scope)
         return scope
+
+    # -- the parts of a handler the core's own doors use (see loractld.engine.vllm_requests) --
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def engine_errored(self) -> bool:
+        return self._engine.errored
+
+    def handler(self, route: str) -> Any:
+        """The serving class instance behind ``route`` (its defaults, its renderer)."""
+        return self._routes[route].method.__self__
+
+    def validator(self, route: str) -> Any:
+        """A pydantic ``TypeAdapter`` of ``route``'s request model (built once)."""
+        validator = self._validators.get(route)
+        if validator is None:
+            from pydantic import TypeAdapter
+
+            validator = self._validators[route] = TypeAdapter(self._routes[route].request_type)
+        return validator
+
+    async def render(self, route: str, request: Any) -> list[Any]:
+        """``request``'s engine inputs as ``route``'s handler renders them (the chat template, the
+        tokenizer), for the base model's name; vLLM's refusal is an :class:`InvalidRequest`."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        handler = self.handler(route)
+        token = CURRENT.set(RequestScope(model=request.model))
+        try:
+            if route == "chat":
+                result = await handler.render_chat_request(request)
+            else:
+                result = await handler.render_completion_request(request)
+        except (LoractlError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - vLLM's refusal of the messages (a template's error)
+            raise InvalidRequest(f"the request could not be rendered: {_first_line(e)}",
+                                 "Check the messages against the model's chat template, or send a raw prompt "
+                                 "(loractl run --raw).") from e
+        finally:
+            CURRENT.reset(token)
+        if isinstance(result, ErrorResponse):
+            raise InvalidRequest(_first_line(result.error.message),
+                                 "Check the messages against the model's chat template and context, or send a raw "
+                                 "prompt (loractl run --raw).")
+        return result[1] if route == "chat" else result
 
     async def answer(self, route: str, body: dict, raw_request: Any) -> Answer:
         """vLLM's answer to ``body`` on ``route``: its validation, its handler, its shapes."""
-        from pydantic import TypeAdapter, ValidationError
+        from pydantic import ValidationError
 
         handler = self._routes[route]
         try:
-            validator = self._validators.get(route)
-            if validator is None:
-                validator = self._validators[route] = TypeAdapter(handler.request_type)
-            request = validator.validate_python(body)
+            request = self.validator(route).validate_python(body)
         except ValidationError as e:
             first = e.errors(include_url=False)[0]
             # Field names and list indexes; not the union branches pydantic tried ("str", "list[int]").
@@ -287,3 +337,20 @@ class OpenAISurface:
                 _log.error("vLLM's %s handler failed", route, exc_info=e)
             return compat.error_answer(e, Answer)
         return compat.serving_answer(result, Answer)
+
+
+@contextlib.asynccontextmanager
+async def _no_gate(adapter: Any, name: str | None):
+    yield ()
+
+
+def unadmitted_surface(engine: Any) -> OpenAISurface:
+    """The serving classes over ``engine`` with no admission gate and no token counts: for a
+    caller that owns the engine alone (the self-check, benchmarks), never the daemon's doors."""
+    return OpenAISurface(engine, engine.settings.openai, _no_gate, lambda label, tokens: None,
+                         [engine.settings.model])
+
+
+def _first_line(error: Any) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

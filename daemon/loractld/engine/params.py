@@ -1,18 +1,16 @@
-"""loractl's :class:`Sampling` as vLLM's ``SamplingParams``, vLLM's refusals of it as
-:class:`InvalidRequest`, and vLLM's sample logprobs as :class:`TokenLogprob`.
+"""vLLM's refusals of a request's sampling fields as :class:`InvalidRequest`, and vLLM's sample
+logprobs as :class:`TokenLogprob` (``Sampling`` becomes ``SamplingParams`` in
+``loractld.engine.vllm_requests``, through vLLM's own request models).
 
 Invariants:
-- Every field of ``Sampling`` reaches ``SamplingParams``; none is dropped.
-- A value vLLM refuses, here or when the engine takes the request (structured-output
-  grammars are compiled there), is an ``InvalidRequest`` that names the field.
-- More than one structured-output constraint is refused here, by name.
-- vllm is imported from its modules inside the functions (as ``Engine.generate`` does):
-  importing this module costs nothing.
+- A value vLLM refuses, when its request model validates it, when it makes the
+  ``SamplingParams`` or when the engine takes the request (structured-output grammars are
+  compiled there), is an ``InvalidRequest`` that names the field.
+- vllm is imported from its modules inside the functions: importing this module costs nothing.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from loractl.errors import InvalidRequest
@@ -38,53 +36,6 @@ def client_errors() -> tuple[type[Exception], ...]:
     except ImportError:
         return (ValueError,)
     return (ValueError, VLLMClientError)
-
-
-@functools.cache
-def _has_flat_logprobs() -> bool:
-    from vllm.sampling_params import SamplingParams
-
-    return "flat_logprobs" in SamplingParams.__struct_fields__
-
-
-def to_sampling_params(sampling: Sampling, max_tokens: int) -> Any:
-    """vLLM's ``SamplingParams`` for ``sampling`` (streamed as deltas), ``max_tokens`` already
-    settled against the context. Raises :class:`InvalidRequest` naming the field vLLM refuses."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    kwargs = {name: getattr(sampling, name) for name in _PLAIN}
-    kwargs.update(max_tokens=max_tokens, top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                  stop=sampling.stop or None, output_kind=RequestOutputKind.DELTA)
-    if sampling.stop_token_ids:
-        kwargs["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.logit_bias:
-        kwargs["logit_bias"] = dict(sampling.logit_bias)
-    if sampling.logprobs is not None and _has_flat_logprobs():
-        kwargs["flat_logprobs"] = True  # a few flat lists per request, not a dict per token
-    if sampling.structured is not None and sampling.structured.kinds():
-        kwargs["structured_outputs"] = structured_outputs(sampling)
-    try:
-        return SamplingParams(**kwargs)
-    except client_errors() as e:
-        # vLLM's own checks of the values (an empty stop string, a penalty out of range, ...;
-        # found by tests/test_fuzz_grpc.py): the request's fault, not an internal error.
-        raise refusal(e, sampling, "invalid sampling parameters") from e
-
-
-def structured_outputs(sampling: Sampling) -> Any:
-    """vLLM's ``StructuredOutputsParams`` for ``sampling.structured``: exactly one constraint."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    structured = sampling.structured
-    kinds = structured.kinds()
-    if len(kinds) > 1:
-        raise InvalidRequest(f"more than one structured output constraint: {', '.join(kinds)}",
-                             "Give one of json_schema, json_object, regex, choice or grammar: vLLM applies one.")
-    try:
-        return StructuredOutputsParams(json=structured.json_schema, json_object=structured.json_object or None,
-                                       regex=structured.regex, choice=structured.choice, grammar=structured.grammar)
-    except client_errors() as e:
-        raise refusal(e, sampling, f"invalid {kinds[0]}") from e
 
 
 def refused_field(error: Exception, sampling: Sampling) -> str | None:

@@ -2,15 +2,18 @@
 (:class:`Delta`), as every door hands them to the core: plain data, no vllm import.
 
 Invariants:
-- Every field maps to one of vLLM's ``SamplingParams`` fields (``to_sampling_params`` in
-  ``loractld.engine.params``); a door that cannot express a field leaves its neutral default,
+- Every field maps to one of vLLM's OpenAI request fields (``request_fields`` in
+  ``loractld.engine.vllm_requests``), and from there to ``SamplingParams`` by vLLM's own code; a door that cannot express a field leaves its neutral default,
   and a door that receives a value it cannot map refuses it by name — nothing is dropped.
 - ``Structured`` holds at most one constraint, as vLLM's ``StructuredOutputsParams`` does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+from loractl.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 512  # when a request sets none: this many, fewer where the context ends first
 
@@ -78,3 +81,23 @@ class Delta:
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     logprobs: list[TokenLogprob] | None = None   # one per token of token_ids, when asked
+
+
+def fitted(sampling: Sampling, prompt_tokens: int, max_model_len: int) -> Sampling:
+    """``sampling`` checked, with max_tokens None filled with what the context leaves."""
+    if sampling.max_tokens is None:
+        room = max_model_len - prompt_tokens
+        if room < 1:
+            raise InvalidRequest(f"the prompt ({prompt_tokens} tokens) fills the context of "
+                                 f"{max_model_len} tokens", "Shorten the prompt.")
+        limit = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
+        sampling = dataclasses.replace(sampling, max_tokens=limit)
+    if sampling.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+    if sampling.min_tokens < 0 or sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {sampling.min_tokens}")
+    if sampling.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+    return sampling
