@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from loractld.serving.admission import AdapterBatching, AdaptiveBatching, FirstCome, Gate, make_policy
+from loractld.serving.admission import AdapterBatching, AdaptiveBatching, FirstCome, Gate
+from loractld.serving.policies import make_policy
 
 
 class Clock:

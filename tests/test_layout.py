@@ -5,6 +5,11 @@
 - ``api/`` (the doors: gRPC, HTTP, audit) reaches the daemon only through ``core`` and the plain
   data it answers with (``views``, ``events``): a door holds no state and bypasses no owner.
 - ``worker/`` runs inside vLLM's processes and imports nothing of the daemon's serving state.
+- Arrows point down: every daemon module sits on a floor (``FLOORS``) and imports only from its
+  own floor or lower ones; and no daemon modules import each other in a cycle. Both read every
+  import: at module level, inside functions, under ``if TYPE_CHECKING:``, relative or absolute,
+  ``import x`` and ``from x import y``, and ``importlib.import_module("loractld...")``. An import
+  kept inside a function, or typed only, is still an arrow: it says what the module knows.
 """
 
 from __future__ import annotations
@@ -75,3 +80,194 @@ def test_the_rules_would_catch_a_breach():
     tree = ast.parse("from vllm.lora.request import LoRARequest\nfrom loractld.store.disk import Store\n")
     assert "vllm.lora.request" in _imports(tree)
     assert "loractld.store.disk" in _imports(tree)
+
+
+# -- floors ---------------------------------------------------------------------------------
+# Lowest first. A module is on the floor of the longest prefix that names it; it may import its
+# own floor and those below (``loractl``, the client package, is beneath them all). Process-level
+# modules (the command line, start and shutdown, systemd, the self-check, the registry entry)
+# sit above the doors, which sit above the core.
+FLOORS = (
+    ("base", ("loractld", "loractld.events", "loractld.views", "loractld.trust")),
+    ("worker", ("loractld.worker",)),
+    ("models", ("loractld.models",)),
+    ("engine", ("loractld.engine",)),
+    ("store", ("loractld.store",)),
+    ("serving", ("loractld.serving",)),
+    ("core", ("loractld.core", "loractld.generation", "loractld.startup")),
+    ("api", ("loractld.api",)),
+    ("process", ("loractld.__main__", "loractld.main", "loractld.lifecycle", "loractld.config", "loractld.systemd",
+                 "loractld.selfcheck", "loractld.publisher")),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = ("loractld", *path.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+DAEMON = {_module_name(p): (p, t) for p, t in MODULES}
+
+
+def floor_of(module: str) -> int | None:
+    best, floor = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, floor = len(prefix), i
+    return floor
+
+
+def arrows(module: str, tree: ast.AST, is_package: bool, known=DAEMON) -> list[tuple[int, str]]:
+    """Every daemon module ``module`` imports, with the line: anywhere in the file, resolved
+    to the module itself (``from pkg import sub`` is ``pkg.sub`` when that is a module)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+
+    def add(line: int, target: str) -> None:
+        while target not in known and "." in target:
+            target = target.rpartition(".")[0]     # a name inside a module: the module
+        if target in known and target != module:
+            found.append((line, target))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "loractld":
+                    add(node.lineno, alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            if base.split(".")[0] != "loractld":
+                continue
+            for alias in node.names:
+                add(node.lineno, f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and node.args[0].value.startswith("loractld") \
+                and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__"):
+            add(node.lineno, node.args[0].value)
+    return sorted(set(found))
+
+
+def _graph(modules=DAEMON) -> dict[str, list[tuple[int, str]]]:
+    return {name: arrows(name, tree, path.name == "__init__.py", modules) for name, (path, tree) in modules.items()}
+
+
+def upward(graph: dict[str, list[tuple[int, str]]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for line, target in targets:
+            if floor_of(target) > floor_of(module):
+                bad.append(f"{module}:{line} imports {target} ({FLOORS[floor_of(module)][0]} floor imports "
+                           f"{FLOORS[floor_of(target)][0]} floor)")
+    return bad
+
+
+def cycles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Each group of modules that import each other, as one cycle through it (Tarjan's strongly
+    connected components, then a path back to the start)."""
+    edges = {m: sorted({t for _, t in targets}) for m, targets in graph.items()}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(_cycle_in(sorted(group)[0], group, edges))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _cycle_in(start: str, group: set[str], edges: dict[str, list[str]]) -> list[str]:
+    paths, seen = [[start]], {start}
+    while paths:   # breadth first: the shortest way back to ``start`` within the group
+        path = paths.pop(0)
+        for w in edges.get(path[-1], ()):
+            if w == start:
+                return path + [start]
+            if w in group and w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    return sorted(group)
+
+
+GRAPH = _graph()
+
+
+def test_every_daemon_module_is_on_a_floor():
+    unplaced = sorted(m for m in DAEMON if floor_of(m) is None)
+    assert not unplaced, f"{unplaced} are on no floor: add them to FLOORS in tests/test_layout.py"
+
+
+def test_arrows_point_down():
+    bad = upward(GRAPH)
+    assert not bad, "imports from a lower floor to a higher one (move the thing to the floor where it " \
+                    "belongs, or pass it in):\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    found = cycles(GRAPH)
+    assert not found, "daemon modules import each other in a cycle:\n" + \
+        "\n".join(" -> ".join(c) for c in found)
+
+
+def _planted(files: dict[str, str]) -> dict[str, tuple[Path, ast.AST]]:
+    """The real tree with ``files`` (module name -> source) added or replaced."""
+    planted = dict(DAEMON)
+    for name, source in files.items():
+        planted[name] = (Path(name.rpartition(".")[2] + ".py"), ast.parse(source))
+    return planted
+
+
+def test_the_floor_rule_catches_an_upward_import_wherever_it_hides():
+    """A planted engine module reaching up to the core, each way an import can be written, is
+    named with its line; the same imports from a process-level module are fine."""
+    ways = ["from loractld.core import Core",
+            "def later():\n    from loractld.core.state import Catalog",
+            "import typing\nif typing.TYPE_CHECKING:\n    import loractld.api.http.app",
+            "from ..core import policy",
+            "import importlib\ndef late():\n    return importlib.import_module('loractld.serving.tiers')"]
+    for source in ways:
+        bad = upward(_graph(_planted({"loractld.engine.planted": source})))
+        assert [b for b in bad if b.startswith("loractld.engine.planted:")], source
+        assert not upward(_graph(_planted({"loractld.lifecycle": source.replace("..", ".")})))
+    assert upward(GRAPH) == []   # nothing planted: nothing found (the rule is not always failing)
+
+
+def test_the_cycle_rule_catches_a_cycle_through_a_function_level_import():
+    planted = _planted({"loractld.store.planted_a": "from loractld.store.planted_b import x",
+                        "loractld.store.planted_b": "def f():\n    from loractld.store import planted_a"})
+    assert ["loractld.store.planted_a", "loractld.store.planted_b", "loractld.store.planted_a"] in cycles(_graph(planted))
+    # A longer one through real modules (identity -> disk -> leases): the lease holder made to import back.
+    planted = _planted({"loractld.store.leases": "def back():\n    from loractld.store.identity import AdapterResolver"})
+    found = cycles(_graph(planted))
+    assert any("loractld.store.leases" in c and "loractld.store.identity" in c for c in found), found
+
+
+def test_the_floor_table_names_real_modules():
+    """A floor entry for a module that is gone would hide nothing, but says what is not there."""
+    for _, prefixes in FLOORS:
+        for prefix in prefixes:
+            assert any(m == prefix or m.startswith(prefix + ".") for m in DAEMON), \
+                f"FLOORS names {prefix}, which is not a daemon module"
+

@@ -9,7 +9,8 @@ import re
 import time
 
 from conftest import collect, run_cli
-from loractld.serving.admission import Gate, make_policy
+from loractld.serving.admission import Gate
+from loractld.serving.policies import make_policy
 from loractld.serving.signals import scheduler_series
 
 NAMES = ("sig-sql/v1", "sig-poet/v1", "sig-python/v1")

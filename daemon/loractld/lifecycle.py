@@ -25,7 +25,8 @@ from loractl import daemon_exit, paths
 from loractl.errors import EngineUnavailable, LoractlError
 from loractld.engine import pidfile as enginepid
 from loractld.store.identity import AdapterResolver
-from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate, make_policy
+from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate
+from loractld.serving.policies import make_policy
 from loractld.api.coalesce import CoalescingServer
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings

@@ -8,10 +8,18 @@ the .proto reaches both doors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from loractld.store.disk import StoredAdapter
+
+class Stored(Protocol):
+    """What a view reads of a stored adapter (``store.disk.StoredAdapter``): said here, since
+    this module is on the base floor and knows no store (tests/test_layout.py)."""
+
+    name: str
+    manifest: dict
+    size_bytes: int
+    path: object
+    hand_placed: bool
 
 
 @dataclass
@@ -43,7 +51,7 @@ class AdapterView:
     normalized: list[str] = field(default_factory=list)   # key spellings the pull rewrote
 
     @classmethod
-    def of(cls, adapter: StoredAdapter) -> AdapterView:
+    def of(cls, adapter: Stored) -> AdapterView:
         m = adapter.manifest
         targets = m.get("target_modules") or []
         return cls(

@@ -232,20 +232,6 @@ class AdaptiveBatching(AdapterBatching):
         return key
 
 
-def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
-    if name == "first-come":
-        return FirstCome()
-    if name == "batching":
-        return AdapterBatching(max_wait_s)
-    if name == "adaptive":
-        return AdaptiveBatching(max_wait_s)
-    if name == "measured":
-        from loractld.serving.handover import MeasuredHandover
-
-        return MeasuredHandover(max_wait_s)
-    raise ValueError(f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}")
-
-
 class Gate:
     """The admission gate. Single-threaded: every method runs on the daemon's event loop.
 

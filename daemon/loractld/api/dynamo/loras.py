@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import unquote, urlparse
 
 from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
@@ -33,7 +33,8 @@ from loractld.core import policy
 FLEET_ADMIN = policy.Caller("dynamo", peer="dynamo=system-port", fleet=True)
 
 if TYPE_CHECKING:
-    from loractld.api.dynamo.worker import DynamoWorker
+    from loractld.api.dynamo.settings import DynamoSettings
+    from loractld.core import Core
 
 _log = logging.getLogger("loractld.dynamo")
 _HUB_SCHEMES = ("hf", "huggingface")
@@ -54,8 +55,24 @@ def pull_ref(uri: str) -> str:
                          "Give a Hugging Face Hub id (org/repo or hf://org/repo) or file:///folder.")
 
 
+class Worker(Protocol):
+    """What LoRA management needs of the Dynamo worker (``api.dynamo.worker.DynamoWorker``, which
+    builds it): said here so that this module does not import the worker that imports it."""
+
+    core: Core
+    settings: DynamoSettings
+
+    async def stored_names(self) -> set[str]: ...
+
+    def lora_id(self, name: str) -> int: ...
+
+    async def publish(self, name: str) -> None: ...
+
+    async def withdraw(self, name: str) -> None: ...
+
+
 class LoraManagement:
-    def __init__(self, worker: DynamoWorker) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.core = worker.core
 

@@ -39,7 +39,8 @@ from loractld.api import ollama
 from loractld.trust import audit
 from loractld.api.http import models
 from loractld.api.http.errors import HttpError, error_response, from_domain
-from loractld.api.http.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, json_body, parse
+from loractld.api.http.protocol import (PEER_UID, LoadLoraAdapterRequest, UnloadLoraAdapterRequest, json_body, parse,
+                                        read_body)
 from loractld.api.http.serving import ROUTES, Limiter, Serving
 from loractld.trust.peers import may_change_state, tcp_peer_uid
 
@@ -51,9 +52,6 @@ _log = logging.getLogger("loractld.http")
 _OPEN_PATHS = {"/health"}
 GENERATION_PATHS = set(ROUTES) | ollama.ONLY_READ_OR_GENERATE   # no state changes
 _OPERATIONS = {"/v1/load_lora_adapter": "load", "/v1/unload_lora_adapter": "evict", **ollama.OPERATIONS}
-PEER_UID = "loractl.peer_uid"   # the scope key the guard leaves the caller's uid under
-
-
 def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = None):
     """The ASGI app: the FastAPI routes behind :class:`Guard`."""
     app = FastAPI(title="loractld", version=__version__, redoc_url=None,
@@ -145,32 +143,6 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
 
     ollama.register(app, core, settings, openai=serving)   # Ollama's API beside OpenAI's, as Ollama serves both
     return ollama.wrap(Guard(app, api_key=settings.api_key, socket_gid=socket_gid))
-
-
-async def read_body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
-    """The whole body, refused past ``limit`` bytes (before reading, when it says its length)
-    or when it takes longer than ``timeout_s`` to arrive (408: a trickled body holds nothing)."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise HttpError(415, "the request body must be JSON, sent with Content-Type: application/json",
-                        "With curl: -H 'Content-Type: application/json'.", code="unsupported_media_type")
-    too_large = HttpError(413, f"the request body is larger than {limit} bytes",
-                          "Send less, or raise loractld --http-max-body.", code="body_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large
-                chunks.append(chunk)
-    except TimeoutError as e:
-        raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s",
-                        "Send the body at once, or raise loractld --http-body-timeout.", code="body_timeout",
-                        headers={"Connection": "close"}) from e
-    return b"".join(chunks)
 
 
 def principal(request: Request) -> str:

@@ -17,8 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from loractl import __version__
-from loractld.api.http.app import PEER_UID, read_body
-from loractld.api.http.protocol import json_body
+from loractld.api.http.protocol import PEER_UID, json_body, read_body
 from loractld.api.ollama.catalog import Catalog
 from loractld.api.ollama.dicts import DictDoor
 from loractld.api.ollama.errors import line
