@@ -178,6 +178,28 @@ def test_tokenized_request_through_the_runtime_equals_the_reference(fleet, demo,
     assert [t for c in base for t in c["token_ids"]] == reference.greedy(prompt, None, MAX_NEW)
 
 
+def test_the_dynamo_door_gives_the_grpc_doors_tokens(fleet):
+    """One request path (tests/test_one_path.py): a chat with a system prompt and penalties sent to
+    B's socket, and the same prompt's tokens with the same options through the runtime, agree."""
+    import asyncio
+
+    from conftest import collect
+
+    messages = [{"role": "system", "content": "You answer in SQL only."},
+                {"role": "user", "content": "List the newest orders."}]
+    penalties = {"presence_penalty": 0.4, "frequency_penalty": 0.3, "repetition_penalty": 1.15}
+
+    async def grpc() -> dict:
+        async with fleet["b"].daemon.client() as client:
+            return await collect(client, messages=messages, lora=ADAPTER, max_tokens=MAX_NEW, temperature=0.0,
+                                 **penalties)
+    want = asyncio.run(grpc())
+    chunks = send(fleet, fleet["b"], {"token_ids": want["prompt_ids"], "model": ADAPTER,
+                                      "routing": {"lora_name": ADAPTER}, "stop_conditions": {"max_tokens": MAX_NEW},
+                                      "sampling_options": {"temperature": 0.0, **penalties}})
+    assert [t for c in chunks for t in c["token_ids"]] == want["ids"] and len(want["ids"]) == MAX_NEW
+
+
 def test_a_request_for_an_adapter_the_worker_lacks_is_refused_with_its_reason(fleet):
     result = subprocess.run([sys.executable, str(CLIENT), "dynamo.loractl.generate", str(fleet["a"].instance),
                              json.dumps({"token_ids": [1, 2, 3], "routing": {"lora_name": ADAPTER},
