@@ -18,20 +18,22 @@ shared notes gpu-offline.md), and how each is handled:
 - ``max_model_len=-1`` (the model's context, lowered to what the KV cache holds): in 0.26.0
   (``vllm/v1/core/kv_cache_utils.py:_auto_fit_max_model_len``, ``vllm/config/model.py``'s
   "-1 (auto-fit)") and 0.32, so throughout the supported range.
-- Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name, the
-  worker's ``LRUCacheLoRAModelManager`` internals read by loractld.worker.extension, and the CPU
-  ops' -1 wrap fixed by loractld.worker.cpu_fixes.
+- Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name. Every
+  private name or patch of vLLM's that loractl relies on (the worker's ``LRUCacheLoRAModelManager``
+  internals, the CPU ops, the scheduler output the KV scrub reads, the front end's request ids)
+  is listed in loractld.worker.vllm_seam, which checks them all at the engine's start.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 
 from loractl.errors import EngineUnavailable
+from loractld.worker import vllm_seam
 
-SUPPORTED = ((0, 26), (0, 32))
+SUPPORTED = vllm_seam.SUPPORTED
+parse_version = vllm_seam.parse_version
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,6 @@ def max_model_len_arg(requested: int | None, features: VllmFeatures) -> int | No
     if requested:
         return requested
     return -1 if features.auto_fit_max_model_len else None
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    match = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not match:
-        raise EngineUnavailable(f"cannot read the vLLM version {text!r}", "Install vllm 0.26 to 0.32.")
-    return int(match[1]), int(match[2]), int(match[3] or 0)
 
 
 def features(version_text: str) -> VllmFeatures:

@@ -25,8 +25,9 @@ import logging
 import os
 from typing import Callable
 
+from loractld.worker import vllm_seam
+
 ENV_FLAG = "LORACTL_VLLM_CPU_FIXES"
-_PATCHED_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 # Under "vllm." so the message shows in the engine process, where vLLM configures logging.
 _log = logging.getLogger("vllm.plugins.loractl_cpu_fixes")
 
@@ -113,8 +114,9 @@ def sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, se
                       slice_offset, slice_size, add_inputs)
 
 
-def bgmv_shrink(inputs, lora_a_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
-    outputs = _per_slot(inputs, lora_a_weights, lora_indices_tensor, output_tensor.dtype)
+def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling: float = 1.0):
+    # vLLM's parameter names (the seam's), as its callers may pass them: this one holds lora_a.
+    outputs = _per_slot(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
     output_tensor[:, : outputs.shape[1]] = scaling * outputs
 
 
@@ -143,20 +145,14 @@ REPLACEMENTS: dict[str, Callable] = {f.__name__: f for f in (bgmv_shrink, bgmv_e
 
 
 def install_lora_ops() -> list[str]:
-    """Put loractl's ops everywhere vLLM bound its torch LoRA ops; return the patched names."""
-    import importlib
-
+    """Put loractl's ops everywhere vLLM bound its torch LoRA ops (the seam's ``cpu_ops``: the
+    ops' module, the package that re-exports them, and the CPU punica wrapper, which bound them
+    at import time); return the patched names."""
     patched = []
-    for module_name in (
-        "vllm.lora.ops.torch_ops.lora_ops",
-        "vllm.lora.ops.torch_ops",
-        "vllm.lora.punica_wrapper.punica_cpu",  # bound them at import time
-    ):
-        module = importlib.import_module(module_name)
-        for name, replacement in REPLACEMENTS.items():
-            if getattr(module, name, None) is not None and getattr(module, name) is not replacement:
-                setattr(module, name, replacement)
-                patched.append(f"{module_name}.{name}")
+    for module, name in vllm_seam.targets("cpu_ops"):
+        if getattr(module, name) is not REPLACEMENTS[name]:
+            setattr(module, name, REPLACEMENTS[name])
+            patched.append(f"{module.__name__}.{name}")
     return patched
 
 

@@ -4,8 +4,8 @@ vLLM keeps the two upper tiers itself — ``_registered_adapters`` (host LRU, ``
 and ``_active_adapters`` (device slots, ``max_loras``) in ``LRUCacheLoRAModelManager`` — but
 its public API reports only the host tier and cannot move an adapter off the device while
 keeping it in host RAM, nor unpin. These methods read and steer the manager directly. They
-are attached to ``WorkerBase`` by the ``vllm.general_plugins`` entry point (see
-``vllm_plugin``), so the engine calls them by name and no pickled callable ever crosses the
+are mixed into vLLM's worker by its ``worker_extension_cls`` engine argument
+(:class:`WorkerMethods`), so the engine calls them by name and no pickled callable ever crosses the
 process boundary (no ``VLLM_ALLOW_INSECURE_SERIALIZATION``).
 
 Invariant: every method runs in the engine-core loop between steps (that is how vLLM serves
@@ -13,8 +13,9 @@ utility calls), so it never races a forward pass.
 
 The change journal: every entry point through which vLLM's worker changes the two tiers
 (each step's ``set_active_adapters``, ``add_adapter``, ``remove_adapter``, ``pin_adapter``,
-and loractl's own methods here) is wrapped to append what changed — a numbered
-``(seq, tier, "in"|"out", id)`` record — to a bounded journal kept on the manager. A step can
+and loractl's own methods here) is wrapped (by the ``vllm.general_plugins`` entry point,
+``vllm_plugin``; every vLLM name wrapped or read here is listed in ``vllm_seam``) to append
+what changed — a numbered ``(seq, tier, "in"|"out", id)`` record — to a bounded journal kept on the manager. A step can
 load and evict adapters that no two reads of the state would catch (load then evict between
 them), so the daemon reads the journal, not a diff of snapshots, and can read as seldom as it
 likes (see ``tiers``): every change is still reported, in order. Comparing two sets of a few
@@ -35,7 +36,7 @@ import json
 import os
 from typing import Any
 
-from loractld.worker import hooks, kv_scrub
+from loractld.worker import hooks, kv_scrub, vllm_seam
 
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
 # The file the worker appends a JSON line {"id", "error"} to for each adapter it failed to load
@@ -353,27 +354,34 @@ def _journal_broken(lora_id: int, error: Exception) -> None:
 
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
                                    loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll)}
-JOURNALED = ("set_active_adapters", "add_adapter", "remove_adapter", "pin_adapter", "remove_all_adapters")
+
+
+class WorkerMethods:
+    """loractl's methods, mixed into vLLM's worker class by vLLM's public hook for this: the
+    engine argument ``worker_extension_cls`` (:data:`EXTENSION_CLS`; vLLM refuses a name its
+    worker already has). ``collective_rpc`` calls them by name."""
+
+
+for _name, _method in METHODS.items():
+    setattr(WorkerMethods, _name, hooks.wrap(f"worker-call:{_name}", _method))
+EXTENSION_CLS = f"{__name__}.WorkerMethods"
 
 
 def install() -> None:
-    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    for name, method in METHODS.items():
-        setattr(WorkerBase, name, hooks.wrap(f"worker-call:{name}", method))
-    for name in JOURNALED:
-        method = getattr(LRUCacheWorkerLoRAManager, name)
+    """Wrap what vLLM has no hook for. The targets are the seam's (``vllm_seam``), which the
+    daemon checked against this vLLM before it started the engine. Idempotent."""
+    for owner, name in vllm_seam.targets("journaled"):
+        method = getattr(owner, name)
         if not getattr(method, "_loractl_journaled", False):
-            setattr(LRUCacheWorkerLoRAManager, name, _journaled(method))
-    if not hasattr(LRUCacheWorkerLoRAManager._load_adapter, "_loractl_unguarded"):
-        LRUCacheWorkerLoRAManager._load_adapter = _guarded_load(LRUCacheWorkerLoRAManager._load_adapter)
-    from vllm.lora.model_manager import LoRAModelManager
-
-    if not getattr(LoRAModelManager.activate_adapter, "_loractl_guarded", False):
-        LoRAModelManager.activate_adapter = _guarded_activate(LoRAModelManager.activate_adapter)
-    from vllm.v1.worker.gpu_worker import Worker
-
-    if not getattr(Worker.execute_model, "_loractl_scrubbed", False):
-        Worker.execute_model = kv_scrub.scrubbed_steps(Worker.execute_model)
-    Worker.execute_model = hooks.wrap("worker-step", Worker.execute_model)
+            setattr(owner, name, _journaled(method))
+    for owner, name in vllm_seam.targets("guarded_load"):
+        if not hasattr(getattr(owner, name), "_loractl_unguarded"):
+            setattr(owner, name, _guarded_load(getattr(owner, name)))
+    for owner, name in vllm_seam.targets("guarded_activate"):
+        if not getattr(getattr(owner, name), "_loractl_guarded", False):
+            setattr(owner, name, _guarded_activate(getattr(owner, name)))
+    for owner, name in vllm_seam.targets("scrubbed_steps"):
+        if not getattr(getattr(owner, name), "_loractl_scrubbed", False):
+            step = hooks.wrap("worker-step", kv_scrub.scrubbed_steps(getattr(owner, name)))
+            step._loractl_scrubbed = True  # type: ignore[attr-defined]  (whatever wraps it: installed once)
+            setattr(owner, name, step)
