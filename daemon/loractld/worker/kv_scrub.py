@@ -8,6 +8,8 @@ base-model requests after a NaN adapter's answered token 0; none with the scrub)
 
 Invariant: only blocks given fresh in this step are touched (never a prefix-cache hit, whose
 contents are computed and may be shared), and only for models with one KV cache group.
+The scheduler-output and KV-cache names read here are listed in ``vllm_seam`` and checked at
+the engine's start, so a default below never hides a rename upstream.
 """
 
 from __future__ import annotations
