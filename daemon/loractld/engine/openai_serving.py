@@ -301,16 +301,22 @@ class OpenAISurface:
         except (LoractlError, asyncio.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - vLLM's refusal of the messages (a template's error)
-            raise InvalidRequest(f"the request could not be rendered: {_first_line(e)}",
-                                 "Check the messages against the model's chat template, or send a raw prompt "
-                                 "(loractl run --raw).") from e
+            raise self._unrendered(route, _first_line(e)) from e
         finally:
             CURRENT.reset(token)
         if isinstance(result, ErrorResponse):
-            raise InvalidRequest(_first_line(result.error.message),
-                                 "Check the messages against the model's chat template and context, or send a raw "
-                                 "prompt (loractl run --raw).")
+            raise self._unrendered(route, _first_line(result.error.message))
         return result[1] if route == "chat" else result
+
+    def _unrendered(self, route: str, reason: str) -> InvalidRequest:
+        if route == "chat" and not (self._engine.settings.chat_template
+                                    or getattr(self.handler(route).renderer.tokenizer, "chat_template", None)):
+            return InvalidRequest(f"the model {self._engine.settings.model!r} has no chat template",
+                                  "Send the prompt as is (loractl run --raw PROMPT), or restart the daemon "
+                                  "with --chat-template FILE.")
+        return InvalidRequest(f"the request could not be rendered: {reason}",
+                              "Check the messages against the model's chat template and context, or send a raw "
+                              "prompt (loractl run --raw).")
 
     async def answer(self, route: str, body: dict, raw_request: Any) -> Answer:
         """vLLM's answer to ``body`` on ``route``: its validation, its handler, its shapes."""

@@ -92,6 +92,10 @@ def fitted(sampling: Sampling, prompt_tokens: int, max_model_len: int) -> Sampli
                                  f"{max_model_len} tokens", "Shorten the prompt.")
         limit = room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
         sampling = dataclasses.replace(sampling, max_tokens=limit)
+    elif sampling.max_tokens > max_model_len - prompt_tokens:
+        # Refused, not shortened: a caller that named a length gets it or hears why.
+        raise InvalidRequest(f"prompt ({prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                             f"the context of {max_model_len} tokens", "Lower --max-tokens or shorten the prompt.")
     if sampling.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1, got {sampling.max_tokens}")
     if sampling.min_tokens < 0 or sampling.min_tokens > sampling.max_tokens:
