@@ -4,7 +4,9 @@
   test's own (``start_daemon``, ``own_daemon``), the CLI runner and ``collect``;
 - ``support_rigs``: daemons that tests kill or arm hooks in (``rig``, ``hooked``);
 - ``support_vllm_server``: vLLM's own OpenAI server beside the rig (``vllm_server``);
-- ``support_reference``: the HF + PEFT oracle and the real demo's build (``real_demo``).
+- ``support_reference``: the HF + PEFT oracle and the real demo's build (``real_demo``);
+- ``support_background``: the pip-bound builds that start with the session and overlap the rest
+  (the fresh venvs of test_first_run and test_wheel, test_install_resolves' dry runs).
 
 Test modules import helpers from here (``from conftest import run_cli``) or from those modules.
 """
@@ -16,8 +18,9 @@ import pytest
 
 # Rewritten asserts in the plugins too (their fixtures assert): registered before the imports
 # below load them, else pytest finds them already imported and leaves their asserts plain.
-pytest.register_assert_rewrite("support_daemons", "support_rigs", "support_vllm_server", "support_reference")
-pytest_plugins = ["support_daemons", "support_rigs", "support_vllm_server", "support_reference"]
+pytest.register_assert_rewrite("support_daemons", "support_rigs", "support_vllm_server", "support_reference",
+                               "support_background")
+pytest_plugins = ["support_daemons", "support_rigs", "support_vllm_server", "support_reference", "support_background"]
 
 # The names test modules import from conftest: fixtures are not among them (pytest finds those in
 # the plugins above; a fixture imported here would be registered twice).

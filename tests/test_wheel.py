@@ -5,8 +5,9 @@ from an empty folder: ``loractld --model tiny`` and ``--model demo``, ``status``
 ``pull`` of a folder, the man pages and completions where the README says they go, and
 ``daemon install`` writing a unit that runs the installed scripts with the config it wrote.
 
-The wheel is built once per run; the venv installs from pip's cache. Answers are checked
-against HF + PEFT in float32 (``conftest.Reference``)."""
+The wheel is built and installed once per run, in the background from the session's start
+(support_background: minutes of pip unpacking and byte-compiling that overlap the engine tests).
+Answers are checked against HF + PEFT in float32 (``conftest.Reference``)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+import support_background as background
 from conftest import ENGINE_FLAGS, REAL_DEMO_CACHE, REPO, Reference, adapter_folder
 from hub_stub import HubStub
 from test_first_run import user_environment
@@ -30,26 +31,37 @@ from test_first_run import user_environment
 INSTALL_TIMEOUT_S = 1200
 
 
+# Run by support_background in the job's folder ($1): the wheel into dist/, a venv from the
+# system's Python into venv/, the wheel with its cpu extra into that.
+BUILD_AND_INSTALL = """set -euo pipefail
+"$SUITE_PYTHON" -m pip wheel -q --no-deps --disable-pip-version-check -w "$1/dist" "$REPO"
+wheels=("$1"/dist/loractl-*.whl)
+"$BASE_PYTHON" -m venv "$1/venv"
+"$1/venv/bin/pip" install -q --disable-pip-version-check "${wheels[0]}[cpu]"
+"""
+
+
+def _build_and_install(root: Path) -> tuple[list[str], Path, dict[str, str]]:
+    python = shutil.which("python3.11") or shutil.which("python3")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}   # the suite's hook stays out of pip's view
+    return (["bash", "-c", BUILD_AND_INSTALL, "build-and-install", str(root)], root,
+            {**env, "SUITE_PYTHON": sys.executable, "BASE_PYTHON": python, "REPO": str(REPO)})
+
+
+background.register("wheel-venv", __name__, _build_and_install)
+
+
 @pytest.fixture(scope="module")
 def installed():
     """(venv folder, empty working folder) with the wheel and its ``cpu`` extra installed."""
-    root = Path(tempfile.mkdtemp(prefix="lcwh-", dir="/tmp"))
+    job = background.job("wheel-venv")
     try:
-        dist = root / "dist"
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
-                        "-w", str(dist), str(REPO)], check=True, capture_output=True, timeout=600)
-        wheel = next(dist.glob("loractl-*.whl"))
-        venv = root / "venv"
-        python = shutil.which("python3.11") or shutil.which("python3")
-        subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=120)
-        result = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                                 f"{wheel}[cpu]"], capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
-        assert result.returncode == 0, result.stderr[-3000:]
+        root = job.ok(600 + INSTALL_TIMEOUT_S)
         empty = root / "empty"
         empty.mkdir()
-        yield venv, empty, root
+        yield root / "venv", empty, root
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        job.clean()
 
 
 def _cli(venv: Path, cwd: Path, env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,0 +1,128 @@
+"""Builds that start in the background as soon as the session knows it needs them, so that they
+overlap the engine tests instead of running one after another: the fresh venvs of
+tests/test_first_run.py and tests/test_wheel.py (pip unpacking and byte-compiling vLLM, torch and
+the rest from the local index: minutes each) and the resolver's dry runs of
+tests/test_install_resolves.py. Registered by conftest (``pytest_plugins``).
+
+Invariants:
+
+- a job starts only when a test of the module that registered it is selected (after
+  ``-k``/``-m``/paths: ``pytest_collection_finish``), else at the first ``result`` call;
+- jobs run at the lowest CPU and I/O priority (``nice -n 19``, ``ionice -c 3``): they take the
+  cycles the suite leaves idle and never slow a timed test; a test that waits for one leaves the
+  machine to it, so the worst case is the time it took when run in the test;
+- what a job prints goes to files under its own folder; a job that fails (or outlives its
+  timeout, counted from when a test first waits for it) fails the test that needs it with the
+  tails of both (``ok``), never silently;
+- at the session's end every job still running is killed with its whole process group, and
+  every job's folder is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+# (command, working folder, environment) for a job, given the folder it may write in.
+Make = Callable[[Path], "tuple[list[str], Path, dict[str, str]]"]
+LOWEST_PRIORITY = [*(["nice", "-n", "19"] if shutil.which("nice") else []),
+                   *(["ionice", "-c", "3"] if shutil.which("ionice") else [])]
+
+
+@dataclass
+class Job:
+    name: str
+    module: str   # the test module whose selected tests need it
+    make: Make
+    root: Path | None = None
+    proc: subprocess.Popen | None = None
+    done: subprocess.CompletedProcess | None = None
+    files: list = field(default_factory=list)
+
+    def start(self) -> None:
+        if self.proc is not None:
+            return
+        self.root = Path(tempfile.mkdtemp(prefix=f"lcbg-{self.name}-", dir="/tmp"))
+        cmd, cwd, env = self.make(self.root)
+        out, err = open(self.root / "stdout", "w"), open(self.root / "stderr", "w")
+        self.files = [out, err]
+        # Its own session: the end of the run kills the whole group (pip's children, a shell's).
+        self.proc = subprocess.Popen([*LOWEST_PRIORITY, *cmd], cwd=cwd, env=env, stdout=out, stderr=err, text=True,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def tails(self, chars: int = 3000) -> str:
+        return "".join(f"{part} (last {chars} characters):\n{(self.root / part).read_text(errors='replace')[-chars:]}\n"
+                       for part in ("stdout", "stderr"))
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the job (started now if it was not); its exit status and output. A job still
+        running after ``timeout`` s of waiting is killed and fails the test."""
+        self.start()
+        if self.done is None:
+            try:
+                code = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"background job {self.name} still running after {timeout} s:\n{self.tails()}")
+            for f in self.files:
+                f.close()
+            self.done = subprocess.CompletedProcess(self.proc.args, code, (self.root / "stdout").read_text(),
+                                                    (self.root / "stderr").read_text())
+        return self.done
+
+    def ok(self, timeout: float) -> Path:
+        """Wait for the job; its folder when it succeeded, else fail the test with its output."""
+        done = self.result(timeout)
+        if done.returncode != 0:
+            pytest.fail(f"background job {self.name} failed with exit status {done.returncode}: "
+                        f"{' '.join(map(str, done.args))}\n{self.tails()}")
+        return self.root
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+    def clean(self) -> None:
+        self.kill()
+        for f in self.files:
+            f.close()
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+JOBS: dict[str, Job] = {}
+
+
+def register(name: str, module: str, make: Make) -> None:
+    """Declare a job, at a test module's import (``module``: its ``__name__``)."""
+    JOBS.setdefault(name, Job(name, module, make))
+
+
+def job(name: str) -> Job:
+    return JOBS[name]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    wanted = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
+    for j in JOBS.values():
+        if j.module in wanted:
+            j.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for j in JOBS.values():
+        j.clean()

@@ -1,0 +1,57 @@
+"""The suite's background jobs (tests/support_background.py), run in a pytest of their own: a job
+starts only for a selected module, a failed one fails the test that waits for it with its output,
+and a job still running at the session's end is killed."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+pytest_plugins = ["pytester"]
+
+HERE = Path(__file__).resolve().parent
+
+JOBS = '''
+import support_background as background
+
+def shell(script):
+    return lambda root: (["sh", "-c", script], root, {"PATH": "/usr/bin:/bin"})
+
+background.register("broken", "test_needs", shell("echo built half; echo no space left >&2; exit 3"))
+background.register("endless", "test_needs", shell("pwd > {pids}/endless-root; echo $$ > {pids}/endless; exec sleep 600"))
+background.register("unneeded", "test_other", shell("touch {pids}/unneeded"))
+'''
+
+NEEDS = '''
+import support_background as background
+
+def test_waits_for_a_broken_job():
+    background.job("broken").ok(60)
+
+def test_leaves_an_endless_job_running():
+    pass
+'''
+
+
+def test_a_broken_job_fails_its_test_with_its_output_and_the_rest_end_with_the_session(pytester, tmp_path,
+                                                                                     monkeypatch):
+    pytester.makeconftest("pytest_plugins = ['support_background', 'jobs']\n")
+    pytester.makepyfile(jobs=JOBS.replace("{pids}", str(tmp_path)), test_needs=NEEDS,
+                        test_other="def test_nothing():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    began = time.monotonic()
+    result = pytester.runpytest_subprocess("test_needs.py", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*background job broken failed with exit status 3*", "*built half*",
+                                 "*no space left*"])
+    assert time.monotonic() - began < 60, "the session waited for the endless job"
+    pid = int((tmp_path / "endless").read_text())
+    try:
+        os.kill(pid, 0)
+        alive = Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the endless job outlived the session"
+    assert not (tmp_path / "unneeded").exists(), "a job of a module not selected was started"
+    assert not Path((tmp_path / "endless-root").read_text().strip()).exists(), "a job's folder was left"
