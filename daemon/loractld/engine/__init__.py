@@ -1,1 +1,1 @@
-"""loractld.engine: the engine, the only vLLM importer in the daemon process, and version compat."""
+"""loractld.engine: vLLM's AsyncLLM and its serving classes, the request path's vLLM side, and version compat (engine/ and worker/ alone import vllm)."""
