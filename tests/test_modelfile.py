@@ -1,0 +1,111 @@
+"""The Modelfile parser (loractld/store/modelfile.py) on Ollama's own documented examples
+(docs/modelfile.md: the mario blueprint, MESSAGE history, multi-line strings, LICENSE,
+case-insensitive instructions) and its refusals, each by line number; and the round trip
+``parse(render(m)) == m`` that ``show --modelfile`` relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from loractl.errors import InvalidRequest
+from loractld.store.modelfile import Modelfile, openai_fields, parse, render
+
+MARIO = """\
+FROM llama3.2
+# sets the temperature to 1 [higher is more creative, lower is more coherent]
+PARAMETER temperature 1
+# sets the context window size to 4096, this controls how many tokens the LLM can use as context to generate the next token
+PARAMETER num_ctx 4096
+
+# sets a custom system message to specify the behavior of the chat assistant
+SYSTEM You are Mario from super mario bros, acting as an assistant.
+"""
+
+MESSAGES = """\
+FROM llama3.2
+MESSAGE user Is Toronto in Canada?
+MESSAGE assistant yes
+MESSAGE user Is Sacramento in Canada?
+MESSAGE assistant no
+MESSAGE user Is Ontario in Canada?
+MESSAGE assistant yes
+"""
+
+# The TEMPLATE section's example: an Ollama Go template.
+GO_TEMPLATE = '''\
+FROM llama3.2
+TEMPLATE """{{ if .System }}<|start_header_id|>system<|end_header_id|>
+
+{{ .System }}<|eot_id|>{{ end }}{{ if .Prompt }}<|start_header_id|>user<|end_header_id|>
+
+{{ .Prompt }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>
+
+{{ .Response }}<|eot_id|>"""
+'''
+
+
+def test_mario_blueprint():
+    m = parse(MARIO)
+    assert m == Modelfile(base="llama3.2", system="You are Mario from super mario bros, acting as an assistant.",
+                          parameters={"temperature": 1.0, "num_ctx": 4096})
+    assert openai_fields(m.parameters) == {"temperature": 1.0}   # num_ctx is checked, never sent
+
+
+def test_message_history_in_order():
+    m = parse(MESSAGES)
+    assert [(x["role"], x["content"]) for x in m.messages] == [
+        ("user", "Is Toronto in Canada?"), ("assistant", "yes"), ("user", "Is Sacramento in Canada?"),
+        ("assistant", "no"), ("user", "Is Ontario in Canada?"), ("assistant", "yes")]
+
+
+def test_multiline_strings_case_and_repeated_stop():
+    m = parse('from ./base\nsystem """\nYou are terse.\nAnswer in SQL.\n"""\nparameter stop "<|im_end|>"\n'
+              'Parameter STOP ";"\nADAPTER ./ollama-lora.bin\nLICENSE """\n<license text>\n"""\n'
+              'PARAMETER num_predict 42\nPARAMETER top_k 40\nPARAMETER seed 42\nPARAMETER repeat_penalty 1.1\n')
+    assert m.base == "./base" and m.system == "\nYou are terse.\nAnswer in SQL.\n"
+    assert m.parameters["stop"] == ["<|im_end|>", ";"] and m.adapters == [("./ollama-lora.bin", 1.0)]
+    assert m.license == ["\n<license text>\n"]
+    assert openai_fields(m.parameters) == {"stop": ["<|im_end|>", ";"], "max_tokens": 42, "top_k": 40, "seed": 42,
+                                           "repetition_penalty": 1.1}
+
+
+def test_weighted_adapters_and_jinja_template():
+    m = parse('FROM base\nADAPTER sql-expert/v1=0.7\nADAPTER /srv/a=b/x\nADAPTER tone=0.3\n'
+              'TEMPLATE "{% for m in messages %}{{ m.content }}{% endfor %}"\n')
+    assert m.adapters == [("sql-expert/v1", 0.7), ("/srv/a=b/x", 1.0), ("tone", 0.3)]
+    assert m.template == "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+@pytest.mark.parametrize("text, line, words", [
+    (GO_TEMPLATE, 2, "Go template"),
+    ("FROM x\nPARAMETER mirostat 2\n", 2, "mirostat"),
+    ("FROM x\n\nPARAMETER num_gpu 50\n", 3, "num_gpu"),
+    ("FROM x\nPARAMETER temperature hot\n", 2, "temperature takes a number"),
+    ("FROM x\nPARAMETER top_k 0.5\n", 2, "top_k takes a whole number"),
+    ("FROM x\nMESSAGE tool hi\n", 2, "role 'tool'"),
+    ("FROM x\nREQUIRES 0.5\n", 2, "unknown instruction 'REQUIRES'"),
+    ("FROM x\n# ok\nSYSTEM \"\"\"never\nclosed\n", 3, "never closed"),
+    ("FROM x\nFROM y\n", 2, "a second FROM"),
+    ("FROM x\nSYSTEM\n", 2, "SYSTEM needs an argument"),
+    ("FROM x\nTEMPLATE plain words\n", 2, "no Jinja"),
+    ("FROM x\nADAPTER a=0\n", 2, "weight"),
+    ("SYSTEM hi\n", 0, "no FROM line"),
+])
+def test_refusals_name_the_line(text, line, words):
+    with pytest.raises(InvalidRequest) as e:
+        parse(text)
+    assert words in e.value.message and e.value.hint
+    assert (f"line {line}:" in e.value.message) if line else e.value.message.startswith("Modelfile: ")
+
+
+@pytest.mark.parametrize("m", [
+    parse(MARIO), parse(MESSAGES),
+    Modelfile(base="sql-expert/v1", adapters=[("a", 0.5), ("b", 1.0)], system='say "hi"', template="{{ x }}",
+              parameters={"stop": [";", 'quote"d', "back\\slash"], "temperature": 0.0, "seed": 7},
+              messages=[{"role": "user", "content": ' padded\n'}, {"role": "assistant", 'content': '"""tricky"""'}],
+              license=["MIT", ""]),
+])
+def test_round_trip(m):
+    text = render(m, header='Modelfile generated by "loractl show"')
+    assert text.startswith("# Modelfile generated")
+    assert parse(text) == m
