@@ -1,6 +1,7 @@
 """The suite's background jobs (tests/support_background.py), run in a pytest of their own: a job
 starts only for a selected module, a failed one fails the test that waits for it with its output,
-and a job still running at the session's end is killed."""
+a job waited for runs at the test's priority, and a job still running at the session's end is
+killed."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def shell(script):
 
 background.register("broken", "test_needs", shell("echo built half; echo no space left >&2; exit 3"))
 background.register("endless", "test_needs", shell("pwd > {pids}/endless-root; echo $$ > {pids}/endless; exec sleep 600"))
+background.register("waited", "test_needs", shell("sleep 3; nice"))
 background.register("unneeded", "test_other", shell("touch {pids}/unneeded"))
 '''
 
@@ -31,6 +33,12 @@ def test_waits_for_a_broken_job():
 
 def test_leaves_an_endless_job_running():
     pass
+
+def test_a_waited_job_runs_at_the_tests_priority():
+    # Raised from nice 19 while it sleeps: the command after the sleep inherits the new priority;
+    # only root may raise it.
+    import os
+    assert background.job("waited").ok(60).joinpath("stdout").read_text() == ("0\\n" if os.geteuid() == 0 else "19\\n")
 '''
 
 
@@ -42,7 +50,7 @@ def test_a_broken_job_fails_its_test_with_its_output_and_the_rest_end_with_the_s
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
     began = time.monotonic()
     result = pytester.runpytest_subprocess("test_needs.py", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*background job broken failed with exit status 3*", "*built half*",
                                  "*no space left*"])
     assert time.monotonic() - began < 60, "the session waited for the endless job"
