@@ -1,4 +1,4 @@
-"""Fixes for two vLLM CPU-backend bugs, installed inside the worker process.
+"""Fixes for three vLLM CPU-backend bugs, installed inside the worker process.
 
 1. Mixed batches are wrong: the torch LoRA ops index the stacked adapter weights with the
    per-token slot index, and ``-1`` ("this token uses no adapter") wraps to the *last* slot,
@@ -10,13 +10,19 @@
    grouping, the same for every layer of a step, are computed once per step (``_Memo``).
 2. bfloat16 dies with SIGILL in the AMX attention path because nothing asked the kernel for
    AMX tile permission; ``torch.cpu._init_amx()`` asks.
+3. Prompt logprobs with LoRA in a step of several requests: vLLM computes one request's
+   prompt logits from its rows of the step, and its CPU logits op indexes them with the
+   step's one-adapter-per-request ``sampler_indices``; vLLM's ops then die (einsum shapes)
+   and loractl's gave prompt rows another request's ``lm_head`` delta, or none (issue 46).
+   ``with_prompt_rows`` tells ``add_lora_logits`` which step tokens those rows are.
 
 The worker runs in a process vLLM spawns, so the fixes are installed by loractl's
 ``vllm.general_plugins`` entry point (``vllm_plugin``), only when ``LORACTL_VLLM_CPU_FIXES=1``
 is set (loractld's engine sets it before it starts vLLM on the CPU).
 
 Invariant: installing is idempotent; a row with an adapter gets that adapter's product (the
-same sums the original ops compute, up to float rounding), a row without one gets none.
+same sums the original ops compute, up to float rounding), a row without one gets none; a
+logits row gets the adapter of the request it belongs to (``add_lora_logits``).
 """
 
 from __future__ import annotations
@@ -92,6 +98,10 @@ def _per_slot(inputs, weights, indices, dtype):
     groups = _groups(indices)
     if len(groups) == 1 and groups[0][1] is None:  # the common step: one adapter for every row
         return x @ w[groups[0][0]].to(dtype).t()
+    if indices.shape[0] != x.shape[0] and groups:
+        # Several adapters, and no index per row: which row is whose is unknown. Guessing gave
+        # rows other requests' deltas (issue 46); vLLM's own op fails here too (einsum shapes).
+        raise ValueError(f"LoRA indices for {indices.shape[0]} rows given for {x.shape[0]} rows of a mixed batch")
     out = x.new_zeros((x.shape[0], w.shape[1]))
     for slot, rows in groups:
         out.index_copy_(0, rows, x.index_select(0, rows) @ w[slot].to(dtype).t())
@@ -164,8 +174,100 @@ def init_amx() -> bool:
     return bool(init()) if init is not None else False
 
 
+# -- prompt logprobs: the logits of one request's prompt rows (issue 46) ----------------------
+# While vLLM computes one request's prompt logits, the step tokens those rows are (a slice of
+# the step's token rows); None otherwise, when the logits rows are the step's sampled rows.
+# The engine core computes logits from one thread.
+_prompt_rows: slice | None = None
+
+
+def _rows_in(step_hidden, rows) -> slice | None:
+    """Which rows of ``step_hidden`` the view ``rows`` is; None when it is not a row slice of it."""
+    if (rows.dim() != 2 or step_hidden.dim() != 2 or rows.stride() != step_hidden.stride()
+            or rows.untyped_storage().data_ptr() != step_hidden.untyped_storage().data_ptr()):
+        return None
+    start, within = divmod(rows.storage_offset() - step_hidden.storage_offset(), step_hidden.stride(0))
+    if within or start < 0 or start + rows.shape[0] > step_hidden.shape[0]:
+        return None
+    return slice(start, start + rows.shape[0])
+
+
+def with_prompt_rows(get_prompt_logprobs_dict: Callable) -> Callable:
+    """Wrap the runner's ``_get_prompt_logprobs_dict`` so each request's prompt logits know
+    their step tokens (``_prompt_rows``) while the model computes them.
+
+    vLLM calls ``model.compute_logits(hidden_states[offset:offset + n])`` once per request that
+    asks prompt logprobs, and its CPU LoRA logits op then indexes those ``n`` rows with the
+    step's per-request ``sampler_indices``: with two adapters in the step, prompt rows got
+    another request's ``lm_head`` delta or none (loractl's ops), or the engine died (vLLM's).
+    """
+    import functools
+
+    if getattr(get_prompt_logprobs_dict, "loractl_prompt_rows", False):
+        return get_prompt_logprobs_dict
+
+    @functools.wraps(get_prompt_logprobs_dict)
+    def wrapped(self, hidden_states, *args, **kwargs):
+        model = self.model
+        compute_logits = model.compute_logits
+
+        def prompt_logits(rows, *more, **named):
+            global _prompt_rows
+            _prompt_rows = _rows_in(hidden_states, rows)
+            try:
+                return compute_logits(rows, *more, **named)
+            finally:
+                _prompt_rows = None
+
+        model.compute_logits = prompt_logits   # this call only: the instance attribute goes below
+        try:
+            return get_prompt_logprobs_dict(self, hidden_states, *args, **kwargs)
+        finally:
+            del model.compute_logits
+
+    wrapped.loractl_prompt_rows = True
+    return wrapped
+
+
+def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+    """vLLM's ``PunicaWrapperCPU.add_lora_logits`` (``y += (x @ A) * scale @ B``), each row with
+    its own adapter.
+
+    Invariant: logits row ``t`` gets the delta of the adapter of the request the row belongs
+    to: the step's sampled rows take ``sampler_indices`` (one per sampled row); one request's
+    prompt rows (``_prompt_rows``) take the step tokens' ``token_lora_indices``. A row count
+    that matches neither with several adapters in the step is refused by ``_per_slot``.
+    """
+    import torch
+
+    rows = _prompt_rows
+    indices = self.sampler_indices if rows is None else self.token_lora_indices[rows]
+    y = y.view(-1, y.shape[-1])
+    x = x.view(-1, x.shape[-1])
+    if buffer is None:   # float32, as vLLM's (and its Triton op's) buffer
+        buffer = torch.zeros((x.size(0), lora_b_stacked.size(-1)), dtype=torch.float32, device=x.device)
+    bgmv_shrink(x, lora_a_stacked, buffer, indices, scale)
+    bgmv_expand(buffer, lora_b_stacked, y, indices, add_inputs=True)
+
+
+def install_prompt_logits() -> list[str]:
+    """Give prompt logprobs' logits rows their own adapters (``add_lora_logits``,
+    ``with_prompt_rows``) at the seam's targets; return the patched names."""
+    patched = []
+    for module, name in vllm_seam.targets("cpu_logits"):
+        if getattr(module, name) is not add_lora_logits:
+            setattr(module, name, add_lora_logits)
+            patched.append(f"{module.__name__}.{name}")
+    for runner, name in vllm_seam.targets("cpu_prompt_logprobs"):
+        current = getattr(runner, name)
+        if not getattr(current, "loractl_prompt_rows", False):
+            setattr(runner, name, with_prompt_rows(current))
+            patched.append(f"{runner.__name__}.{name}")
+    return patched
+
+
 def install() -> None:
     """Install both fixes in this process."""
     amx = init_amx()
-    patched = install_lora_ops()
+    patched = install_lora_ops() + install_prompt_logits()
     _log.info("loractl CPU fixes installed (amx=%s, patched %d ops)", amx, len(patched))
