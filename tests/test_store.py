@@ -191,23 +191,3 @@ def test_recover_clears_what_an_install_killed_before_its_rename_left(tmp_path, 
     store.recover()
     assert sorted(p.name for p in store.root.iterdir()) == [".objects", ".snapshots", ".tmp"]
     assert not any(store.objects.iterdir())
-
-
-def test_private_copies_of_folders_are_bounded_and_a_leased_one_stays(demo, tmp_path, monkeypatch):
-    """Every new content of a folder used in place is copied (Store.snapshot); a user who keeps
-    changing one would grow the store without bound: the oldest copies no lease holds go."""
-    from adapter_factory import good
-    from loractld.store import disk
-    from loractld.store.disk import Store
-
-    monkeypatch.setattr(disk, "SNAPSHOT_LIMIT", 3)
-    store = Store(tmp_path / "store")
-    first, _ = store.snapshot(good(demo, tmp_path / "f0", name="f/0"))
-    lease = store.lease(first)
-    made = [store.snapshot(good(demo, tmp_path / f"f{i}", name=f"f/{i}"))[0] for i in range(1, 6)]
-    left = set(store.snapshots.iterdir())
-    assert first in left and made[-1] in left and len(left) <= 4, left   # the leased one stays beyond the cap
-    assert all(oct(p.stat().st_mode & 0o777) == "0o444" for p in made[-1].iterdir())
-    lease.release()
-    store.snapshot(good(demo, tmp_path / "f6", name="f/6"))
-    assert first not in set(store.snapshots.iterdir()) and len(list(store.snapshots.iterdir())) == 3

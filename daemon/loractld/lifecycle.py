@@ -43,6 +43,7 @@ from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store import formats
+from loractld.store.copies import SNAPSHOT_BUDGET
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
 from loractld.serving.pins import PersistentState
@@ -62,6 +63,7 @@ class DaemonSettings:
     socket: str | None = None
     shutdown_grace_s: float = 10.0
     max_adapter_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES
+    snapshot_budget: int = SNAPSHOT_BUDGET   # bytes of private copies kept unleased (loractld.store.copies)
     preload: tuple[str, ...] = ()
     socket_group: str | None = None
     served_model_name: str | None = None   # the base model's name in the HTTP API; default: --model
@@ -198,7 +200,7 @@ def check_model_folder(model: str) -> None:
 def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catalog:
     """The disk side: the store (recovered from any interrupted pull), validation, pulls."""
     base = describe(settings.engine.model, model, served_name=settings.served_model_name)
-    store = Store(store_dir)
+    store = Store(store_dir, snapshot_budget=settings.snapshot_budget)
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
     store.stamp_format()

@@ -23,6 +23,7 @@ from loractld.engine.client import EngineSettings
 from loractld.engine.device import keep_cuda_uninitialized
 from loractld.worker.media_packages import hide_media_packages
 from loractld.lifecycle import DaemonSettings, serve
+from loractld.store.copies import SNAPSHOT_BUDGET
 
 EPILOG = """\
 examples:
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load this stored adapter onto the device before reporting ready (repeatable)")
     p.add_argument("--max-adapter-size", type=parse_size, default=4 << 30,
                    help="refuse adapter weight files larger than this (default: 4GiB)")
+    p.add_argument("--snapshot-budget", type=parse_size, default=SNAPSHOT_BUDGET, metavar="SIZE",
+                   help="disk kept for private copies of adapters placed by hand or used from a folder once "
+                        "no request holds them (default: 2GiB); copies in use are always kept")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable vLLM's prefix cache")
     p.add_argument("--no-cpu-fixes", action="store_true",
                    help="do not install the fixes for vLLM's CPU LoRA bugs (to reproduce them; never in production)")
@@ -155,7 +159,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         openai=openai_serving.options_from(args),
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
-                          max_adapter_bytes=args.max_adapter_size, preload=tuple(args.preload or ()),
+                          max_adapter_bytes=args.max_adapter_size, snapshot_budget=args.snapshot_budget, preload=tuple(args.preload or ()),
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
                           admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size,

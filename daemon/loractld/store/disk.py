@@ -6,8 +6,9 @@ Layout under the store root (``<data dir>/adapters``)::
                             adapter_model.safetensors, loractl-manifest.json
     .tmp/<random>/          pulls in progress (removed on every daemon start)
     .snapshots/<digest>/    private read-only copies of adapters used in place (a folder given to
-                            --lora, an entry placed by hand): what the engine loads (``snapshot``);
-                            removed on every daemon start
+                            --lora, an entry placed by hand): what the engine loads, made when
+                            leased, kept to a budget in bytes (loractld.store.copies); removed
+                            on every daemon start
     sql-expert/v1 -> ../.objects/<id>     a pulled adapter: a relative symlink
     org/name/ (a real folder)             placed by hand (the seeds' <name>/<version>/ layout)
 
@@ -29,11 +30,11 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -46,11 +47,11 @@ from loractl.names import NAME_RE, validate_name
 from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
+from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key
 from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
-SNAPSHOT_LIMIT = 32   # private copies of adapters used in place (Store.snapshot)
 SEED_METADATA_FILE = "metadata.json"
 _log = logging.getLogger("loractld.store")
 
@@ -104,7 +105,8 @@ def remove_partial_writes(path: Path) -> list[Path]:
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, snapshot_budget: int = SNAPSHOT_BUDGET,
+                 snapshot_grace_s: float = SNAPSHOT_GRACE_S) -> None:
         self.root = Path(root)
         self.objects = self.root / ".objects"
         self.tmp = self.root / ".tmp"
@@ -112,9 +114,13 @@ class Store:
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[tuple, dict] = {}
+        self._entries: dict[str, tuple[tuple, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         self.lock = threading.RLock()
         self.leases = Leases(self.lock)
         self.leases.on_idle = self._lease_idle
+        # Private copies of adapters used in place (loractld.store.copies): made when leased.
+        self.copies = Copies(self.snapshots, self.lock, self.leases, self.staging, self.check_free_space,
+                             budget=snapshot_budget, grace_s=snapshot_grace_s)
         self._retired: set[str] = set()     # objects no name links to any more, kept for a lease
         self.damaged: dict[str, str] = {}   # name -> why its manifest cannot be read
 
@@ -215,6 +221,32 @@ class Store:
                                  f"Remove it (loractl rm {name}) and pull it again.") from e
 
     def _load(self, name: str, entry: Path) -> StoredAdapter:
+        """What ``entry`` holds, read again only when it changed: a pulled adapter's link points
+        elsewhere (objects are never rewritten), a hand-placed one's files have other stats (two
+        system calls; ls, status and /v1/models read every entry)."""
+        key = self._entry_key(entry)
+        known = self._entries.get(name)
+        if key is not None and known is not None and known[0] == key:
+            return known[1]
+        adapter = self._read(name, entry)
+        if key is not None:
+            self._entries[name] = (key, adapter)
+        return adapter
+
+    @staticmethod
+    def _entry_key(entry: Path) -> tuple | None:
+        """What identifies ``entry`` now; None: read it every time (its files are links)."""
+        try:
+            if entry.is_symlink():
+                return ("link", os.readlink(entry))
+            stats = [os.lstat(entry / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
+        except OSError:
+            return None
+        if any(stat.S_ISLNK(s.st_mode) for s in stats):
+            return None
+        return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
+
+    def _read(self, name: str, entry: Path) -> StoredAdapter:
         real = entry.resolve()
         if not real.is_relative_to(self.root.resolve()):
             raise InvalidAdapter(f"{entry} leads out of the store (to {real})",
@@ -236,11 +268,13 @@ class Store:
         return StoredAdapter(name, real, manifest, hand_placed)
 
     def _hand_manifest(self, folder: Path) -> dict:
-        """A manifest for a hand-placed adapter, computed (and cached by file stat), never written."""
+        """A manifest for a hand-placed adapter, computed (and cached by its files' stats), never
+        written. Its files are hashed in place (``Copies.records``), which the resolver's digest
+        then reuses: one read per content, no copy."""
         from loractld.store.sources import sha256_file
 
         files = [folder / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (folder / n).is_file()]
-        key = (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        key = stat_key(folder) or (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
         if key not in self._hand_manifests:
             config = read_config(folder)
             metadata = {}
@@ -249,7 +283,8 @@ class Store:
                     metadata = json.loads((folder / SEED_METADATA_FILE).read_text())
                 except ValueError:
                     metadata = {}
-            records = [{"name": f.name, "size": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
+            records = self.copies.records(folder) if len(files) == 2 else [
+                {"name": f.name, "size": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
             self._hand_manifests[key] = {
                 "source": "local", "ref": str(folder), "revision": "sha256:" + files_digest(records),
                 "files": records, "pulled_at": max(f.stat().st_mtime for f in files),
@@ -269,48 +304,6 @@ class Store:
             yield folder
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-
-    def snapshot(self, folder: Path) -> tuple[Path, str]:
-        """A private copy of the adapter files in ``folder`` (used in place: a ``--lora`` folder,
-        an entry placed by hand), and its content digest: ``(.snapshots/<digest>, digest)``.
-
-        The files are copied and hashed in one read; the copy is made read-only and renamed into
-        place whole, so what the engine loads (and preflight checked) are exactly the bytes this
-        digest names, whatever happens to ``folder`` afterwards. A user who rewrites the folder
-        changes nothing already resolved: the next resolve sees new stats, hence new content."""
-        sources = [folder / n for n in (CONFIG_FILE, WEIGHTS_FILE)]
-        self.check_free_space(sum(f.stat().st_size for f in sources))
-        with self.staging() as staged:
-            records = []
-            for source in sources:
-                try:
-                    size, digest = _copy_hashing(source, staged / source.name)
-                except OSError as e:
-                    if e.errno == errno.ENOSPC:
-                        raise DiskFull(f"no space left for a private copy of {folder}",
-                                       "Free space in the adapter store.") from e
-                    raise
-                records.append({"name": source.name, "size": size, "sha256": digest})
-            content = files_digest(records)
-            dest = self.snapshots / content
-            with self.lock:
-                if not (dest / WEIGHTS_FILE).exists():
-                    for f in staged.iterdir():
-                        os.chmod(f, 0o444)
-                    os.rename(staged, dest)
-                    staged.mkdir()  # staging removes its folder on the way out
-                self._prune_snapshots(keep=dest)
-        return dest, content
-
-    def _prune_snapshots(self, keep: Path) -> None:
-        """At most ``SNAPSHOT_LIMIT`` private copies: the oldest that no lease holds go first (a
-        user who keeps changing a folder would otherwise grow the store without bound). One
-        removed and asked for again is copied again. Under the store's lock."""
-        copies = sorted(self.snapshots.iterdir(), key=lambda p: p.stat().st_mtime_ns)
-        held = self.leases.kept()
-        for old in copies[:max(0, len(copies) - SNAPSHOT_LIMIT)]:
-            if old != keep and str(old) not in held:
-                shutil.rmtree(old, ignore_errors=True)  # read-only files go with their writable folder
 
     def check_free_space(self, needed: int, reserve: int = 64 << 20) -> None:
         free = shutil.disk_usage(self.root).free
@@ -360,10 +353,35 @@ class Store:
         # still need vLLM to reload it from disk.
         return self._load(name, entry)
 
+    def copy(self, src: str, dst: str) -> StoredAdapter:
+        """``dst``: a new name for ``src``'s content (``loractl cp``), installed as a pull is: its
+        own object, whose files are hard links to ``src``'s where the disk allows (objects are
+        never written after their install), so removing either name leaves the other whole."""
+        adapter = self.get(src)
+        validate_name(dst)
+        if (self.root / dst).exists() or (self.root / dst).is_symlink():
+            raise InvalidRequest(f"{dst!r} exists in the store", f"Remove it first (loractl rm {dst}), "
+                                 "or copy to another name.")
+        with self.staging() as staged:
+            for record in adapter.manifest.get("files", []):
+                source, target = adapter.path / record["name"], staged / record["name"]
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copy2(source, target)
+            manifest = {k: v for k, v in adapter.manifest.items() if k not in ("revision_digest", "metadata")}
+            return self.install(dst, staged, {**manifest, "copied_from": src})
+
     def lease(self, path: Path) -> Lease:
         """A lease on ``path`` (a folder just resolved), so that no GC deletes it while the
         request that resolved it runs. Raises AdapterNotFound if a GC deleted it meanwhile."""
         lease = self.leases.take(path)
+        if self.copies.is_copy(path):
+            try:   # made now if it is not there (or went since it was resolved): the lease keeps it
+                self.copies.materialize(path)
+            except BaseException:
+                lease.release()
+                raise
         if not path.is_dir():
             lease.release()
             raise AdapterNotFound(f"the adapter at {path} was removed meanwhile", "Retry the request.")
@@ -385,7 +403,9 @@ class Store:
             return removed
 
     def _lease_idle(self, path: str) -> None:
-        """A folder's last lease went: delete it if it was retired meanwhile (rm, new revision)."""
+        """A folder's last lease went: delete it if it was retired meanwhile (rm, new revision);
+        a private copy may go now, if the copies are over their budget."""
+        self.copies.released(path)
         with self.lock:
             if path not in self._retired or path in self.leases.kept():
                 return
@@ -397,6 +417,7 @@ class Store:
         holds it (or ``keep_object``: left for ``collect_garbage``), else when its last lease goes.
         A hand-placed adapter a request holds is refused (its folder is the adapter)."""
         entry = self.root / name
+        self._entries.pop(name, None)
         try:
             adapter = self.get(name)
         except InvalidAdapter:
@@ -423,26 +444,3 @@ class Store:
 
 class DamagedManifest(Exception):
     """A pulled adapter's manifest cannot be read (not JSON, not a manifest)."""
-
-
-def _copy_hashing(source: Path, dest: Path) -> tuple[int, str]:
-    """Copy ``source`` to ``dest`` and return (size, sha256) of the bytes written: one read."""
-    import hashlib
-
-    h, size = hashlib.sha256(), 0
-    with open(source, "rb") as src, open(dest, "wb") as out:
-        while chunk := src.read(1 << 20):
-            h.update(chunk)
-            out.write(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()   # no fsync: copies are cleared at every start, never needed after a crash
-
-
-def files_digest(records: list[dict]) -> str:
-    """The content digest of an adapter: sha256 over its files' names and sha256s."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for r in sorted(records, key=lambda r: r["name"]):
-        h.update(f"{r['name']}\0{r['sha256']}\0".encode())
-    return h.hexdigest()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
 from loractld.engine.adapter import AdapterRef
+from loractld.store.copies import stat_key
 from loractld.store.disk import Store, files_digest
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
@@ -55,7 +56,6 @@ class AdapterResolver:
         self.validate = validate
         self.max_bytes = max_bytes
         self._lock = threading.RLock()
-        self._folder_digests: dict[tuple, str] = {}
         self._facts: dict[tuple[str, bool], AdapterFacts | LoractlError] = {}
         self._ids: dict[str, int] = {}
         self._taken: set[int] = set()
@@ -63,9 +63,20 @@ class AdapterResolver:
         self._by_name: dict[str, tuple[tuple, AdapterRef]] = {}
 
     async def resolve_async(self, lora: str) -> AdapterRef:
-        """:meth:`resolve`, with anything but a known name's answer off the event loop."""
+        """:meth:`resolve` for a use (a request, a tier operation): anything but a known name's
+        answer off the event loop, including the private copy of an adapter used in place (made
+        here, ahead of the lease that keeps it: ``Store.lease`` makes it again if it went)."""
         ref = self.cached(lora)
-        return ref if ref is not None else await asyncio.to_thread(self.resolve, lora)
+        copies = self.store.copies
+        if ref is not None and (not copies.is_copy(ref.path) or (ref.path / WEIGHTS_FILE).exists()):
+            return ref
+        return await asyncio.to_thread(self._resolve_for_use, lora)
+
+    def _resolve_for_use(self, lora: str) -> AdapterRef:
+        ref = self.resolve(lora)
+        if self.store.copies.is_copy(ref.path):
+            self.store.copies.materialize(ref.path)
+        return ref
 
     def warm(self, names: list[str]) -> None:
         """Resolve ``names`` now, in the caller's thread (hashing and validating new content reads
@@ -116,17 +127,26 @@ class AdapterResolver:
                 raise AdapterNotFound(f"no adapter folder at {source}")
             path, digest = self._snapshot(source)
             label = f"{source.parent.name}/{source.name}" if source.parent.name else source.name
-            forced = False
+            forced, files = False, source
         else:
             stored = self.store.get(lora)
             if stored.hand_placed:  # used in place, like a folder: served from a private copy
                 path, digest = self._snapshot(stored.path)
+                files = stored.path
             else:  # pulled: an installed object, never rewritten
                 path, digest = stored.path, files_digest(stored.manifest["files"])
+                files = path
             label = lora
             # A pull --force accepted another base model's name once; every use honours it.
             forced = bool(stored.manifest.get("forced"))
-        self._facts_for(digest, path, forced)  # raises for content that does not validate
+        # Raises for content that does not validate; an adapter used in place is read there (its
+        # copy is made only for a use), and its stats are checked again below.
+        self._facts_for(digest, files, forced)
+        if files != path and self.store.copies.path_for(files, stat_key(files))[1] != digest:
+            # Rewritten while validated: these facts may be the new content's. Validated again at
+            # the next resolve; a use is safe regardless (its copy must hash to ``digest``, and the
+            # preflight loads that copy).
+            self._facts.pop((digest, forced), None)
         ref = AdapterRef(label=label, path=path, digest=digest, engine_id=self.id_for(digest))
         self._labels[ref.engine_id] = label
         return ref
@@ -157,20 +177,14 @@ class AdapterResolver:
         return result
 
     def _snapshot(self, path: Path) -> tuple[Path, str]:
-        """The private copy of the adapter used in place at ``path`` (``Store.snapshot``) and its
-        digest: made once per content, found again while the files' stats are unchanged."""
-        files = [path / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (path / n).is_file()]
-        stats = [(f.name, f.stat()) for f in files]
-        key = (str(path), tuple((n, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for n, s in stats))
-        known = self._folder_digests.get(key)
-        if known is not None and (self.store.snapshots / known / WEIGHTS_FILE).exists():
-            return self.store.snapshots / known, known
-        if len(files) < 2 or (self.max_bytes is not None and sum(s.st_size for _, s in stats) > self.max_bytes):
-            # Before copying: raises the precise reason (missing config, pickle only, over the cap).
+        """Where the private copy of the adapter used in place at ``path`` is (or will be: made
+        when leased, ``loractld.store.copies``) and its digest: the folder is hashed in place
+        once per content, found again while the files' stats are unchanged."""
+        key = stat_key(path)
+        if key is None or (self.max_bytes is not None and sum(f[2] for f in key[1:]) > self.max_bytes):
+            # Before hashing: raises the precise reason (missing config, pickle only, over the cap).
             self.validate(path, False)
-        copy, digest = self.store.snapshot(path)
-        self._folder_digests[key] = digest
-        return copy, digest
+        return self.store.copies.path_for(path, key)
 
     def id_for(self, digest: str) -> int:
         with self._lock:
