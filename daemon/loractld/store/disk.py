@@ -53,6 +53,7 @@ from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
 MANIFEST_FILE = "loractl-manifest.json"
 SEED_METADATA_FILE = "metadata.json"
+_OLD_COPIES = "old-snapshots-"   # last run's private copies, set aside in .tmp at start (Store.recover)
 _log = logging.getLogger("loractld.store")
 
 
@@ -108,6 +109,7 @@ class Store:
     def __init__(self, root: Path, snapshot_budget: int = SNAPSHOT_BUDGET,
                  snapshot_grace_s: float = SNAPSHOT_GRACE_S) -> None:
         self.root = Path(root)
+        self._root_str = str(self.root)
         self.objects = self.root / ".objects"
         self.tmp = self.root / ".tmp"
         self.snapshots = self.root / ".snapshots"
@@ -128,9 +130,22 @@ class Store:
     def recover(self) -> list[str]:
         """Remove what interrupted pulls left behind; return what was removed."""
         removed = []
-        for leftover in [*self.tmp.iterdir(), *self.snapshots.iterdir()]:
+        # Last run's private copies (thousands, with many adapters placed by hand) go aside in one
+        # rename and are deleted in the background: start-up does not wait for them, and a crash
+        # mid-way leaves them in .tmp for the next start to finish.
+        if any(self.snapshots.iterdir()):
+            os.rename(self.snapshots, self.tmp / f"{_OLD_COPIES}{uuid.uuid4().hex}")
+            self.snapshots.mkdir()
+        old_copies = []
+        for leftover in self.tmp.iterdir():
+            if leftover.name.startswith(_OLD_COPIES):
+                old_copies.append(leftover)
+                continue
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
             removed.append(str(leftover))
+        if old_copies:
+            threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in old_copies],
+                             name="loractl-old-copies", daemon=True).start()
         removed += self.collect_garbage()
         for link in self._links():
             if not link.exists():  # dangling: its object is gone
@@ -169,17 +184,19 @@ class Store:
         return found
 
     def _candidates(self) -> list[tuple[str, Path]]:
-        """(name, entry) for every adapter-looking entry one or two levels down."""
+        """(name, entry) for every adapter-looking entry one or two levels down (scandir: one
+        stat per entry, not one per path operation; 10,000 entries are listed on every ls)."""
         found = []
-        for entry in sorted(self.root.iterdir()):
+        has_config = lambda path: os.path.exists(os.path.join(path, CONFIG_FILE))  # noqa: E731
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
             if entry.name.startswith("."):
                 continue
-            if (entry / CONFIG_FILE).exists():
-                found.append((entry.name, entry))
-            elif entry.is_dir() and not entry.is_symlink():
-                for sub in sorted(entry.iterdir()):
-                    if not sub.name.startswith(".") and (sub / CONFIG_FILE).exists():
-                        found.append((f"{entry.name}/{sub.name}", sub))
+            if has_config(entry.path):
+                found.append((entry.name, self.root / entry.name))
+            elif entry.is_dir(follow_symlinks=False):
+                for sub in sorted(os.scandir(entry.path), key=lambda e: e.name):
+                    if not sub.name.startswith(".") and has_config(sub.path):
+                        found.append((f"{entry.name}/{sub.name}", Path(sub.path)))
         return found
 
     def list(self) -> list[StoredAdapter]:
@@ -221,10 +238,9 @@ class Store:
                                  f"Remove it (loractl rm {name}) and pull it again.") from e
 
     def _load(self, name: str, entry: Path) -> StoredAdapter:
-        """What ``entry`` holds, read again only when it changed: a pulled adapter's link points
-        elsewhere (objects are never rewritten), a hand-placed one's files have other stats (two
-        system calls; ls, status and /v1/models read every entry)."""
-        key = self._entry_key(entry)
+        """What ``entry`` holds, read again only when it changed (:meth:`entry_key`): ls, status
+        and /v1/models read every entry, and each costs two or three system calls unchanged."""
+        key = self.entry_key(name)
         known = self._entries.get(name)
         if key is not None and known is not None and known[0] == key:
             return known[1]
@@ -233,16 +249,19 @@ class Store:
             self._entries[name] = (key, adapter)
         return adapter
 
-    @staticmethod
-    def _entry_key(entry: Path) -> tuple | None:
-        """What identifies ``entry`` now; None: read it every time (its files are links)."""
+    def entry_key(self, name: str) -> tuple | None:
+        """What identifies the entry ``name`` now: a pulled adapter's link target (objects are
+        never rewritten), a hand-placed one's files' inode, size, mtime and ctime (a rewrite that
+        restores the mtime still moves the ctime). None: read it every time (missing files, or
+        files that are links)."""
+        entry = os.path.join(self._root_str, name)
         try:
-            if entry.is_symlink():
+            if os.path.islink(entry):
                 return ("link", os.readlink(entry))
-            stats = [os.lstat(entry / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
-        except OSError:
+            stats = (os.lstat(os.path.join(entry, CONFIG_FILE)), os.lstat(os.path.join(entry, WEIGHTS_FILE)))
+        except (OSError, ValueError):
             return None
-        if any(stat.S_ISLNK(s.st_mode) for s in stats):
+        if stat.S_ISLNK(stats[0].st_mode) or stat.S_ISLNK(stats[1].st_mode):
             return None
         return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
 

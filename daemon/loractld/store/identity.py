@@ -111,14 +111,7 @@ class AdapterResolver:
 
     def _entry_key(self, name: str) -> tuple | None:
         """What identifies the store entry behind ``name`` right now; None: look on disk."""
-        entry = self.store.root / name
-        try:
-            if entry.is_symlink():
-                return ("link", os.readlink(entry))
-            return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
-                                       for s in (os.stat(entry / CONFIG_FILE), os.stat(entry / WEIGHTS_FILE)))
-        except (OSError, ValueError):
-            return None
+        return self.store.entry_key(name)
 
     def _resolve(self, lora: str) -> AdapterRef:
         if os.path.isabs(lora):

@@ -1,0 +1,217 @@
+"""A store of many adapters placed by hand: what listing, status and start-up cost at N adapters.
+
+Issue 48's goals at 10,000 adapters (rank 4, two modules each, placed by hand in the seeds'
+``<org>/<name>`` layout): ``loractl ls --json``, ``loractl status --json`` and ``GET /v1/models``
+under 0.5 s, and the daemon's start-up (process start to ready) within 1.2x of the same daemon
+with an empty store, both measured in the same run.
+
+Usage:  .venv/bin/python bench/store_scale.py [--adapters N] [--runs R] [--json OUT]
+        .venv/bin/python bench/store_scale.py --profile [--adapters N]   # in-process, no engine
+
+The adapters are one real adapter for the tiny test model written once, then copied N times with
+its last weight changed, so every copy has content (and a digest) of its own. ``--profile`` runs
+the daemon's store and resolver functions in this process under cProfile (no engine), to show
+where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO / "daemon"))
+
+
+def make_adapters(home: Path, count: int) -> Path:
+    """``count`` hand-placed adapters ``scale/a00000``... under ``home``'s store, each of its own
+    content; returns the tiny model's folder (built under ``home`` as the daemon would)."""
+    from loractl import paths
+    from loractld.models.tiny import ensure_demo
+
+    tiny = ensure_demo(paths.layout(home).tiny_dir)
+    template = Path(tempfile.mkdtemp(prefix="lct-scale-"))
+    try:
+        _two_module_adapter(tiny / "model", template)
+        weights = (template / "adapter_model.safetensors").read_bytes()
+        config = (template / "adapter_config.json").read_bytes()
+        root = paths.layout(home).data_dir / "adapters" / "scale"
+        root.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            folder = root / f"a{i:05d}"
+            folder.mkdir()
+            # The last float32 of the last tensor: distinct for every i, small like its neighbours.
+            (folder / "adapter_model.safetensors").write_bytes(weights[:-4] + struct.pack("<f", 0.01 + i * 1e-7))
+            (folder / "adapter_config.json").write_bytes(config)
+    finally:
+        shutil.rmtree(template, ignore_errors=True)
+    return tiny / "model"
+
+
+def _two_module_adapter(model_dir: Path, out: Path) -> None:
+    """A rank-4 LoRA on q_proj and v_proj of every layer of the tiny model."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    kv = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
+    generator = torch.Generator().manual_seed(48)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for proj, fan_out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, hidden, generator=generator) * 0.08
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, 4, generator=generator) * 0.08
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "loractl/demo-tiny-llama",
+        "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False}, indent=2))
+
+
+def start(home: Path, port: int) -> tuple[subprocess.Popen, float]:
+    """Start a daemon on the tiny model; return it and its seconds from spawn to ready."""
+    sock = home / "d.sock"
+    began = time.perf_counter()
+    proc = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(home), "--socket", str(sock),
+                             "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
+                             "--http", f"127.0.0.1:{port}"],
+                            stdout=open(home / "d.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    while time.perf_counter() - began < 600:
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited: {(home / 'd.log').read_text()[-3000:]}")
+        result = subprocess.run([str(BIN / "loractl"), "status", "--json", "--socket", str(sock)],
+                                capture_output=True, text=True)
+        if result.returncode == 0 and json.loads(result.stdout)["ready"]:
+            return proc, time.perf_counter() - began
+        time.sleep(0.1)
+    raise SystemExit("the daemon did not come up")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(120)
+
+
+def timed(fn, runs: int) -> list[float]:
+    fn()  # warm: the first ask after start may fill caches
+    times = []
+    for _ in range(runs):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def measure(home: Path, runs: int, expect: int) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, startup = start(home, port)
+    sock = str(home / "d.sock")
+    try:
+        def cli(*args: str) -> str:
+            return subprocess.run([str(BIN / "loractl"), *args, "--socket", sock], capture_output=True,
+                                  text=True, check=True).stdout
+
+        def models() -> bytes:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as r:
+                return r.read()
+
+        listed = len(json.loads(cli("ls", "--json")))
+        served = len(json.loads(models())["data"])
+        assert listed == expect, (listed, expect)
+        times = {"ls --json": timed(lambda: cli("ls", "--json"), runs),
+                 "status --json": timed(lambda: cli("status", "--json"), runs),
+                 "/v1/models": timed(models, runs)}
+        return {"startup_s": round(startup, 2), "listed": listed, "served_models": served,
+                "median_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
+                "max_s": {k: round(max(v), 3) for k, v in times.items()}}
+    finally:
+        stop(proc)
+
+
+def profile(count: int) -> None:
+    """The daemon's listing path in this process (store, resolver, views), under cProfile."""
+    import cProfile
+    import pstats
+
+    from loractld.lifecycle import DaemonSettings, open_catalog
+    from loractld.engine.client import EngineSettings
+
+    home = Path(tempfile.mkdtemp(prefix="lct-scale-prof-"))
+    try:
+        model = make_adapters(home, count)
+        from loractl import paths
+        settings = DaemonSettings(engine=EngineSettings(model="tiny"))
+        for label in ("first (cold)", "second (warm)"):
+            prof = cProfile.Profile()
+            began = time.perf_counter()
+            prof.enable()
+            catalog = open_catalog(settings, paths.layout(home).data_dir / "adapters", str(model)) \
+                if label.startswith("first") else catalog
+            stored = catalog.store.list()
+            catalog.resolver.warm([a.name for a in stored])
+            prof.disable()
+            print(f"== {label}: {time.perf_counter() - began:.2f} s for {len(stored)} adapters")
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adapters", type=int, default=10_000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="profile the listing path in-process instead")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.profile:
+        profile(args.adapters)
+        return
+    empty = Path(tempfile.mkdtemp(prefix="lct-scale-empty-", dir="/tmp"))
+    full = Path(tempfile.mkdtemp(prefix="lct-scale-full-", dir="/tmp"))
+    try:
+        began = time.perf_counter()
+        make_adapters(full, args.adapters)
+        made_s = time.perf_counter() - began
+        from loractl import paths
+        from loractld.models.tiny import ensure_demo
+        ensure_demo(paths.layout(empty).tiny_dir)
+        # Empty, full, empty again: start-up on a shared machine drifts; the ratio is to the mean.
+        first_empty = measure(empty, args.runs, 0)
+        with_adapters = measure(full, args.runs, args.adapters)
+        second_empty = measure(empty, args.runs, 0)
+        empty_startup = (first_empty["startup_s"] + second_empty["startup_s"]) / 2
+        report = {
+            "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "adapters": args.adapters, "made_in_s": round(made_s, 1), "runs": args.runs,
+            "empty": [first_empty, second_empty], "full": with_adapters,
+            "startup_ratio_full_over_empty": round(with_adapters["startup_s"] / empty_startup, 2),
+        }
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+        shutil.rmtree(full, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
