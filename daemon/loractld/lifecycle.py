@@ -395,6 +395,9 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             for failure in await tiers.apply_startup(list(settings.preload), vet=core.vet):
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
+            # Every door's requests are rendered by vLLM's serving classes: built (and their
+            # renderer warmed) before READY, not by the first requests, which would all wait on it.
+            await core.openai_surface()
             core.startup.finish()
             _freeze_startup_heap()
             tiers.start_following()
