@@ -452,6 +452,20 @@ class Client:
                 async for event in stream:
                     yield to_dict(event)
 
+    async def merge(self, name: str, sources: dict[str, float] | list[tuple[str, float]], *,
+                    svd_rank: int | None = None) -> dict[str, Any]:
+        """Store under ``name`` the adapter whose delta is the weighted sum of the stored
+        ``sources``' deltas (``{name: weight}`` or ``[(name, weight), ...]``): exact, by
+        concatenating their ranks (PEFT's ``add_weighted_adapter``, ``cat``), or with
+        ``svd_rank`` truncated to that rank (PEFT's ``svd``; ``show`` reports its error).
+        Returns the merged adapter as ``show`` does; the same sources and weights again give
+        the same content."""
+        pairs = list(sources.items()) if isinstance(sources, dict) else list(sources)
+        request = pb.MergeRequest(name=name, sources=[pb.MergeSource(name=n, weight=float(w)) for n, w in pairs],
+                                  method="svd" if svd_rank else "cat", svd_rank=svd_rank or 0)
+        async with self._errors():
+            return to_dict(await self.stub.Merge(request, timeout=self.timeout))
+
     async def list(self) -> list[dict[str, Any]]:
         """The adapters in the store."""
         async with self._errors():

@@ -162,3 +162,128 @@ def test_a_rank_sum_above_the_limit_says_what_would_fit(made, tmp_path):
     message, hint = refused.value.message, refused.value.hint
     assert "merged rank would be 12" in message and "max LoRA rank 8" in message
     assert "merge a and b only" in hint and "--svd-rank 8" in hint and "--max-lora-rank 16" in hint
+
+
+# -- through the daemon: the socket (CLI, Client) and the HTTP door ------------------------------
+PROMPT = "the quick brown fox jumps over the lazy dog"
+NEW_TOKENS = 8
+SERVED = {   # PEFT's cat merge needs each adapter's rank uniform (it sums config.r): no rank_pattern here
+    "m/plain": SOURCES["plain"],
+    "m/rslora": SOURCES["rslora"],
+    "m/alpha": peft_corpus.Case("merge-alpha", lambda: peft_corpus._lora(
+        r=2, alpha_pattern={"v_proj": 7}, target_modules=["v_proj", "o_proj", "up_proj"])),
+}
+MERGES = {"m/two": {"m/plain": 0.7, "m/rslora": 0.3},
+          "m/three": {"m/plain": 0.5, "m/rslora": 1.5, "m/alpha": 0.75}}
+
+
+@pytest.fixture(scope="module")
+def served(rig, demo, tmp_path_factory) -> dict[str, Path]:
+    """The sources, pulled into the rig."""
+    root = tmp_path_factory.mktemp("merge-served")
+    folders = {}
+    for name, case in SERVED.items():
+        folders[name] = root / name.replace("/", "-")
+        peft_corpus.build(case, demo / "model", folders[name], scale=0.1)
+        rig.ok("pull", str(folders[name]), "--name", name)
+    return folders
+
+
+class PeftMerge:
+    """HF + PEFT in float32 with PEFT's own merge (``add_weighted_adapter``, ``cat``): greedy
+    tokens and the logprob of each."""
+
+    def __init__(self, model_dir: Path, folders: dict[str, Path]) -> None:
+        self.model_dir, self.folders = model_dir, folders
+
+    def greedy(self, weights: dict[str, float], prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        names = [n.replace("/", "-") for n in weights]
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        first, *rest = weights
+        model = PeftModel.from_pretrained(model, str(self.folders[first]), adapter_name=names[0])
+        for name, key in zip(rest, names[1:]):
+            model.load_adapter(str(self.folders[name]), adapter_name=key)
+        model.add_weighted_adapter(names, list(weights.values()), "merged", combination_type="cat")
+        model.set_adapter("merged")
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+            ids = out[0, len(prompt_ids):].tolist()
+            # The raw logits' logprobs, as the engine reports them: generate's scores have EOS
+            # masked by min_new_tokens, which moves every logprob by log(1 - p(EOS)).
+            scores = torch.log_softmax(model(out).logits[0].float(), -1)
+        return ids, [scores[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(ids)]
+
+
+def test_merges_through_the_socket_answer_as_peft_merges(rig, served, demo):
+    import asyncio
+
+    from loractl.client import Client
+
+    two = json.loads(rig.ok("merge", "m/two", *(f"{n}={w}" for n, w in MERGES["m/two"].items()), "--json").stdout)
+    assert two["merge"]["method"] == "cat" and two["rank"] == 8
+    assert {(s["name"], s["weight"]) for s in two["merge"]["sources"]} == set(MERGES["m/two"].items())
+    shown = rig.ok("show", "m/two").stdout
+    assert "merged" in shown and "cat (exact)" in shown and "m/rslora × 0.3" in shown, shown
+
+    async def scenario():
+        async with Client(rig.daemon.socket) as client:
+            three = await client.merge("m/three", MERGES["m/three"])
+            again = await client.merge("m/three", list(reversed(MERGES["m/three"].items())))
+            answers = {}
+            for name in [*MERGES, "m/plain"]:
+                answers[name] = {"ids": [], "logprobs": [], "prompt_ids": []}
+                async for chunk in client.generate(PROMPT, lora=name, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
+                                                   temperature=0, logprobs=0):
+                    answers[name]["prompt_ids"] += chunk.prompt_token_ids
+                    answers[name]["ids"] += chunk.token_ids
+                    answers[name]["logprobs"] += [t.logprob for t in chunk.logprobs]
+            return three, again, answers
+
+    three, again, answers = asyncio.run(scenario())
+    assert three["rank"] == 4 + 4 + 2 and three["merge"]["relative_error"] == 0
+    # The same sources and weights (named in another order) are the same content.
+    assert again["revision"] == three["revision"] and again["files"] == three["files"]
+    reference = PeftMerge(demo / "model", served)
+    # A source alone (PEFT's merge of one is that adapter) too: a miss there is the engine's, not the merge's.
+    for name, weights in [("m/plain", {"m/plain": 1.0}), *MERGES.items()]:
+        ids, logprobs = reference.greedy(weights, answers[name]["prompt_ids"])
+        assert answers[name]["ids"] == ids, name
+        assert max(abs(a - b) for a, b in zip(answers[name]["logprobs"], logprobs, strict=True)) <= 1e-3, name
+    assert answers["m/two"]["ids"] != answers["m/three"]["ids"]   # the weights matter
+
+
+def test_a_merged_adapter_answers_through_http(rig, served, demo):
+    """``/v1/completions`` with the merged name: PEFT's merge's greedy text and logprobs."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    rig.ok("merge", "m/two", *(f"{n}={w}" for n, w in MERGES["m/two"].items()))
+    body = {"model": "m/two", "prompt": PROMPT, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS,
+            "temperature": 0, "logprobs": 1}
+    request = urllib.request.Request(f"{rig.http}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        choice = json.loads(reply.read())["choices"][0]
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    ids, logprobs = PeftMerge(demo / "model", served).greedy(MERGES["m/two"], tokenizer.encode(PROMPT))
+    assert choice["text"] == tokenizer.decode(ids)
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], logprobs, strict=True)) <= 1e-3
+
+
+def test_a_merge_the_daemon_cannot_hold_is_refused_with_what_fits(rig, served):
+    sources = ("m/plain", "m/rslora", "m/plain=2", "m/plain=3", "m/alpha")   # 4 + 4 + 4 + 4 + 2 on v_proj
+    result = rig.cli("merge", "m/big", *sources)
+    assert result.returncode == 5, result.stderr   # InvalidAdapter
+    assert "merged rank would be 18" in result.stderr, result.stderr
+    assert "above the daemon's max LoRA rank 16" in result.stderr and "--svd-rank 16" in result.stderr, result.stderr
+    assert "m/big" not in rig.ok("ls").stdout
+    approx = json.loads(rig.ok("merge", "m/big", *sources, "--svd-rank", "4", "--json").stdout)
+    assert approx["merge"]["method"] == "svd" and approx["rank"] == 4 and 0 < approx["merge"]["relative_error"] < 1
+    assert "approximate: relative error" in rig.ok("show", "m/big").stdout

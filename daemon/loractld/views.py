@@ -23,6 +23,27 @@ class Stored(Protocol):
 
 
 @dataclass
+class MergeView:
+    """How a merged adapter was made (``loractl merge``): its sources ({"name", "digest",
+    "weight"}), the method (cat: exact; svd: approximate) and, for svd, the measured relative
+    Frobenius error of its delta."""
+
+    method: str = ""
+    sources: list[dict] = field(default_factory=list)
+    rank: int = 0
+    relative_error: float = 0.0
+
+    @classmethod
+    def of(cls, merged: dict | None) -> MergeView | None:
+        if not isinstance(merged, dict):
+            return None
+        return cls(method=str(merged.get("method", "")), rank=int(merged.get("rank") or 0),
+                   relative_error=float(merged.get("relative_error") or 0),
+                   sources=[{"name": s["name"], "digest": s["digest"], "weight": float(s["weight"])}
+                            for s in merged.get("sources", [])])
+
+
+@dataclass
 class AdapterView:
     """One stored adapter: its manifest, and its residency as the engine last reported it."""
 
@@ -49,6 +70,7 @@ class AdapterView:
     host_bytes: int = 0
     pin: str = ""               # device, host, or "" (not pinned)
     normalized: list[str] = field(default_factory=list)   # key spellings the pull rewrote
+    merge: MergeView | None = None   # a merged adapter: what it was made of
 
     @classmethod
     def of(cls, adapter: Stored) -> AdapterView:
@@ -61,6 +83,7 @@ class AdapterView:
             size_bytes=adapter.size_bytes, pulled_at=float(m.get("pulled_at") or 0),
             files=[{"name": f["name"], "size": f["size"], "sha256": f["sha256"]} for f in m.get("files", [])],
             path=str(adapter.path), hand_placed=adapter.hand_placed, normalized=list(m.get("normalized") or []),
+            merge=MergeView.of(m.get("merge")),
         )
 
 

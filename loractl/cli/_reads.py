@@ -130,12 +130,23 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
     ]
     if a.get("normalized"):
         rows.append(("normalised", "; ".join(a["normalized"])))
+    rows += merge_rows(a.get("merge"))
     for f in a["files"]:
         rows.append(("file", f"{f['name']} {human_bytes(int(f['size']))} sha256:{f['sha256'][:16]}…"))
     for key, value in rows:
         table.add_row(key, value)
     table.print()
 
+
+
+def merge_rows(merged: dict | None) -> list[tuple[str, str]]:
+    """``loractl show MERGED``: how it was made (loractl merge): method, sources, the svd's error."""
+    if not merged:
+        return []
+    method = merged["method"] + (" (exact)" if merged["method"] == "cat" else
+                                 f" (approximate: relative error {merged['relative_error']:.2e})")
+    return [("merged", method)] + [("from", f"{s['name']} × {s['weight']:g} (sha256:{s['digest'][:16]}…)")
+                                   for s in merged.get("sources", [])]
 
 
 def _print(renderable) -> None:

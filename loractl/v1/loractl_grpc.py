@@ -66,6 +66,10 @@ class LoractlBase(abc.ABC):
     async def Metrics(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.MetricsRequest, loractl.v1.loractl_pb2.MetricsReply]') -> None:
         pass
 
+    @abc.abstractmethod
+    async def Merge(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.MergeRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
         return {
             '/loractl.v1.Loractl/Status': grpclib.const.Handler(
@@ -145,6 +149,12 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 loractl.v1.loractl_pb2.MetricsRequest,
                 loractl.v1.loractl_pb2.MetricsReply,
+            ),
+            '/loractl.v1.Loractl/Merge': grpclib.const.Handler(
+                self.Merge,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.MergeRequest,
+                loractl.v1.loractl_pb2.Adapter,
             ),
         }
 
@@ -229,4 +239,10 @@ class LoractlStub:
             '/loractl.v1.Loractl/Metrics',
             loractl.v1.loractl_pb2.MetricsRequest,
             loractl.v1.loractl_pb2.MetricsReply,
+        )
+        self.Merge = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Merge',
+            loractl.v1.loractl_pb2.MergeRequest,
+            loractl.v1.loractl_pb2.Adapter,
         )

@@ -362,7 +362,7 @@ class FileRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin", "normalized")
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin", "normalized", "merge")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +386,7 @@ class Adapter(_message.Message):
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    MERGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     ref: str
@@ -409,7 +410,42 @@ class Adapter(_message.Message):
     host_bytes: int
     pin: str
     normalized: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ..., normalized: _Optional[_Iterable[str]] = ...) -> None: ...
+    merge: Merge
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ..., normalized: _Optional[_Iterable[str]] = ..., merge: _Optional[_Union[Merge, _Mapping]] = ...) -> None: ...
+
+class Merge(_message.Message):
+    __slots__ = ("method", "sources", "rank", "relative_error")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    sources: _containers.RepeatedCompositeFieldContainer[MergeSource]
+    rank: int
+    relative_error: float
+    def __init__(self, method: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., rank: _Optional[int] = ..., relative_error: _Optional[float] = ...) -> None: ...
+
+class MergeSource(_message.Message):
+    __slots__ = ("name", "digest", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class MergeRequest(_message.Message):
+    __slots__ = ("name", "sources", "method", "svd_rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    SVD_RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sources: _containers.RepeatedCompositeFieldContainer[MergeSource]
+    method: str
+    svd_rank: int
+    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., method: _Optional[str] = ..., svd_rank: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

@@ -260,6 +260,13 @@ class LoractlService(LoractlBase):
         await stream.send_message(pb.RemoveReply(adapter=adapter_message(removed.adapter), unloaded=removed.unloaded))
 
     @domain_errors
+    @mutating("merge", target=lambda r: f"{' '.join(f'{s.name}={s.weight:g}' for s in r.sources)} as {r.name}")
+    async def Merge(self, stream, request: pb.MergeRequest) -> None:
+        view = await self.core.merge(request.name, [(s.name, s.weight) for s in request.sources],
+                                     method=request.method or "cat", svd_rank=request.svd_rank or None)
+        await stream.send_message(adapter_message(view))
+
+    @domain_errors
     async def Events(self, stream) -> None:
         request: pb.EventsRequest = await stream.recv_message()
         async for event in self.core.watch_events(request.history):

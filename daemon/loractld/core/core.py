@@ -11,6 +11,7 @@ remove, events, metrics and status are written once, and fail only with domain e
 - :mod:`loractld.core.state`: what it holds and how operations wait for it (draining, a dead engine);
 - :mod:`loractld.core.requests`: the request path (resolve, prepare, run, admission) for every door;
 - :mod:`loractld.core.tier_ops` and :mod:`loractld.core.disk_ops`: the engine's tiers and the disk's;
+- :mod:`loractld.core.merges`: weighted merges of stored adapters, installed as a pull installs;
 - :mod:`loractld.core.reports`: status and metrics, read-only, apart from the request path.
 
 Each module states its own invariants; the store owns the adapter folders' leases and their GC
@@ -21,12 +22,13 @@ and no lease holds it.
 from __future__ import annotations
 
 from loractld.core.disk_ops import DiskOps
+from loractld.core.merges import MergeOps
 from loractld.core.reports import Reports
 from loractld.core.requests import RequestPath
 from loractld.core.state import CoreState
 from loractld.core.tier_ops import TierOps
 
 
-class Core(RequestPath, TierOps, DiskOps, Reports, CoreState):
+class Core(RequestPath, TierOps, DiskOps, MergeOps, Reports, CoreState):
     """The daemon's state (catalog, engine, tiers, events, metrics, work in flight) and its
     operations; the front ends hold no state of their own beyond their connections."""
