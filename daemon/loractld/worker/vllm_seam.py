@@ -167,6 +167,26 @@ SEAM: tuple[Internal, ...] = (
              "globals it needs are gone", BOTH),
     *(Internal("vllm.lora.request:LoRARequest", name, READ, "built with keyword arguments (serialized by position)",
                BOTH) for name in ("lora_name", "lora_int_id", "lora_path")),
+    # -- engine/vllm_requests.py, openai_serving.py: every door's request rendered by vLLM's
+    # serving classes (public names of vLLM's serving layer, which moves between releases) -------
+    Internal("vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "render_chat_request", CALLED,
+             "the gRPC and Dynamo doors' chat rendered as the HTTP door's is", params=("request",)),
+    Internal("vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion", "render_completion_request",
+             CALLED, "a raw prompt or token ids rendered as the HTTP door's are", params=("request",)),
+    *(Internal(f"vllm.entrypoints.openai.{module}", name, READ,
+               "the model's own sampling defaults and max-tokens override, as the handler applies them")
+      for module in ("chat_completion.serving:OpenAIServingChat", "completion.serving:OpenAIServingCompletion")
+      for name in ("default_sampling_params", "override_max_tokens", "online_renderer")),
+    Internal("vllm.entrypoints.serve.utils.api_utils", "get_max_tokens", CALLED,
+             "max_tokens fitted to the context as the handlers fit it"),
+    *(Internal(f"vllm.entrypoints.openai.{module}", "to_sampling_params", CALLED,
+               "every door's sampling fields become SamplingParams by vLLM's own mapping",
+               params=("max_tokens", "default_sampling_params"))
+      for module in ("chat_completion.protocol:ChatCompletionRequest", "completion.protocol:CompletionRequest")),
+    Internal("vllm.renderers.online_renderer:OnlineRenderer", "validate_chat_template", PATCHED,
+             "wrapped on the instance: a profile's chat template (the daemon owner's) passes without "
+             "--trust-request-chat-template", params=("request_chat_template", "chat_template_kwargs",
+                                                       "trust_request_chat_template")),
     # -- engine/compat.py: the paths a release newer than the floor takes ----------------------
     Internal("vllm.inputs.engine", "tokens_input", CALLED, "a rendered token prompt (no renderer thread hop)",
              since=(0, 32)),
