@@ -37,9 +37,11 @@ SOURCES = {   # PEFT configs on the tiny model; weights from a fixed seed (peft_
 
 @pytest.fixture(scope="module")
 def made(demo: Path, tmp_path_factory) -> dict[str, Path]:
+    """Each source's folder as its user has it (``build`` writes it; it returns PEFT's own copy)."""
     root = tmp_path_factory.mktemp("merge-sources")
-    return {key: peft_corpus.build(case, demo / "model", root / key, scale=0.1) and root / key
-            for key, case in SOURCES.items()}
+    for key, case in SOURCES.items():
+        peft_corpus.build(case, demo / "model", root / key, scale=0.1)
+    return {key: root / key for key in SOURCES}
 
 
 def deltas(folder: Path) -> dict[str, object]:
