@@ -481,6 +481,27 @@ class Client:
         async with self._errors():
             return to_dict(await self.stub.Remove(pb.RemoveRequest(name=name, force=force), timeout=self.timeout))
 
+    async def create(self, name: str, modelfile: str = "", *, base: str = "", adapters: list[str] = (),
+                     system: str | None = None, template: str | None = None, parameters: dict[str, Any] | None = None,
+                     messages: list[dict[str, str]] = (), license: list[str] = ()) -> dict[str, Any]:
+        """Make (or replace) the profile ``name``: a Modelfile's text (Ollama's syntax) and/or its
+        fields, which override its lines (``base`` is FROM; ``adapters`` are ``NAME[=WEIGHT]``;
+        ``parameters`` Ollama's names, a list value for ``stop``). Returns the profile as ``show``."""
+        params = [f"{k}={v}" for k, values in (parameters or {}).items()
+                  for v in (values if isinstance(values, (list, tuple)) else [values])]
+        request = pb.CreateRequest(name=name, modelfile=modelfile, adapters=list(adapters), system=system,
+                                   template=template, parameters=params, license=list(license),
+                                   messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+        setattr(request, "from", base)
+        async with self._errors():
+            return to_dict(await self.stub.Create(request, timeout=self.timeout))
+
+    async def copy(self, source: str, destination: str) -> dict[str, Any]:
+        """A new name for a profile's or an adapter's content; returns the copy as ``show``."""
+        async with self._errors():
+            return to_dict(await self.stub.Copy(pb.CopyRequest(source=source, destination=destination),
+                                                timeout=self.timeout))
+
     async def load(self, name: str, *, to: str = "device") -> dict[str, Any]:
         """Load a stored adapter into host RAM or onto the device; return its residency."""
         async with self._errors():

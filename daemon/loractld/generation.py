@@ -32,6 +32,9 @@ class GenerationRequest:
     # Who asked, as the door knows them: the core decides what they may change (core.policy) —
     # a folder, an auto-pull. None: an unknown caller, who may generate from stored adapters only.
     caller: Caller | None = None
+    # The sampling fields the caller set itself (a profile's defaults fill the others); None:
+    # the door cannot tell, and a field at its default counts as not set.
+    given_sampling: frozenset[str] | None = None
 
 
 @dataclass

@@ -23,6 +23,23 @@ class Stored(Protocol):
 
 
 @dataclass
+class ProfileView:
+    """What a profile is made of (``loractld.store.profiles.Profile``), as the wire says it."""
+
+    base: str = ""
+    adapter: str = ""           # "": the base model
+    digest: str = ""
+    adapters: list[dict] = field(default_factory=list)    # {"name", "weight"}: the ADAPTER lines
+    system: str | None = None
+    template: str | None = None
+    parameters: dict[str, str] = field(default_factory=dict)   # Ollama's names; values as JSON
+    messages: list[dict] = field(default_factory=list)    # {"role", "content"}
+    license: list[str] = field(default_factory=list)
+    modelfile: str = ""
+    created_at: float = 0.0
+
+
+@dataclass
 class MergeView:
     """How a merged adapter was made (``loractl merge``): its sources ({"name", "digest",
     "weight"}), the method (cat: exact; svd: approximate) and, for svd, the measured relative
@@ -70,6 +87,8 @@ class AdapterView:
     host_bytes: int = 0
     pin: str = ""               # device, host, or "" (not pinned)
     normalized: list[str] = field(default_factory=list)   # key spellings the pull rewrote
+    kind: str = "adapter"       # or "profile": then ``profile`` says what it is made of
+    profile: ProfileView | None = None
     merge: MergeView | None = None   # a merged adapter: what it was made of
 
     @classmethod

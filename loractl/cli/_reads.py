@@ -115,6 +115,11 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
         print_json(a)
         return
     table = Pairs(fold=True)
+    if a.get("kind") == "profile":
+        for key, value in profile_rows(a):
+            table.add_row(key, value)
+        table.print()
+        return
     pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
     rows = [
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),
@@ -147,6 +152,22 @@ def merge_rows(merged: dict | None) -> list[tuple[str, str]]:
                                  f" (approximate: relative error {merged['relative_error']:.2e})")
     return [("merged", method)] + [("from", f"{s['name']} × {s['weight']:g} (sha256:{s['digest'][:16]}…)")
                                    for s in merged.get("sources", [])]
+
+
+def profile_rows(a: dict) -> list[tuple[str, str]]:
+    """``loractl show PROFILE``: what it runs and the defaults its requests get."""
+    p = a.get("profile") or {}
+    rows = [("name", a["name"]), ("kind", "profile"), ("from", p.get("base", "")),
+            ("runs", p.get("adapter") or "the base model")]
+    rows += [("adapter", f"{x['name']} (weight {x['weight']:g})") for x in p.get("adapters", [])]
+    if p.get("system") is not None:
+        rows.append(("system", p["system"]))
+    if p.get("template"):
+        rows.append(("template", f"{len(p['template'])} characters (loractl show {a['name']} --modelfile)"))
+    rows += [("parameter", f"{k} {v}") for k, v in sorted((p.get("parameters") or {}).items())]
+    rows += [("message", f"{m['role']}: {m['content']}") for m in p.get("messages", [])]
+    rows += [("license", text.strip().splitlines()[0] if text.strip() else "") for text in p.get("license", [])]
+    return rows
 
 
 def _print(renderable) -> None:

@@ -7,7 +7,7 @@ import os
 import typer
 
 from loractl import __version__
-from loractl.cli import adapters, chat, daemon_cmd, instances, merges, run, status, tiers, top
+from loractl.cli import adapters, chat, daemon_cmd, instances, merges, profiles, run, status, tiers, top
 
 
 def _flags_take_no_value() -> None:
@@ -35,7 +35,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for module in (adapters, merges, tiers, run, chat, status, top, instances, daemon_cmd):
+for module in (adapters, merges, profiles, tiers, run, chat, status, top, instances, daemon_cmd):
     module.register(app)
 
 

@@ -22,11 +22,39 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
     if json_output:
         print_json(adapters)
         return
-    if not adapters:
+    profiles = [a for a in adapters if a.get("kind") == "profile"]
+    adapters = [a for a in adapters if a.get("kind") != "profile"]
+    if not adapters and not profiles:
         from loractl.cli._output import stderr
 
         stderr.print("no adapters yet: loractl pull ORG/REPO")
         return
+    if adapters:
+        _adapter_table(adapters)
+    if profiles:
+        sys.stdout.write(("\n" if adapters else "") + profile_table(profiles))
+        sys.stdout.flush()
+
+
+def profile_table(profiles: list[dict[str, Any]]) -> str:
+    """The profiles and what each is made of: PROFILE, RUNS (its adapter or the base model),
+    DEFAULTS (system prompt, few-shot messages, parameters)."""
+    rows = [("PROFILE", "RUNS", "DEFAULTS")] + [
+        (p["name"], (p.get("profile") or {}).get("adapter") or "base model", describe(p.get("profile") or {}) or "-")
+        for p in profiles]
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]}".rstrip() + "\n" for r in rows)
+
+
+def describe(profile: dict) -> str:
+    """What a profile adds, in a few words: ``system, 2 messages, temperature=0``."""
+    parts = ["system" if profile.get("system") is not None else "", "template" if profile.get("template") else "",
+             f"{len(profile['messages'])} messages" if profile.get("messages") else ""]
+    parts += [f"{k}={v}" for k, v in sorted((profile.get("parameters") or {}).items())]
+    return ", ".join(p for p in parts if p)
+
+
+def _adapter_table(adapters: list[dict[str, Any]]) -> None:
     rows = [(a["name"], a["tier"], a.get("pin") or ("host" if a["pinned"] else "-"), human_bytes(int(a["size_bytes"])),
              str(a["rank"]), short_revision(a["revision"]), ago(a["last_used"])) for a in adapters]
     # Names are what users copy into the next command: they never get cut.

@@ -67,6 +67,14 @@ class LoractlBase(abc.ABC):
         pass
 
     @abc.abstractmethod
+    async def Create(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.CreateRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
+    async def Copy(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.CopyRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
+        pass
+
+    @abc.abstractmethod
     async def Merge(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.MergeRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
         pass
 
@@ -149,6 +157,18 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 loractl.v1.loractl_pb2.MetricsRequest,
                 loractl.v1.loractl_pb2.MetricsReply,
+            ),
+            '/loractl.v1.Loractl/Create': grpclib.const.Handler(
+                self.Create,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.CreateRequest,
+                loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/Copy': grpclib.const.Handler(
+                self.Copy,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.CopyRequest,
+                loractl.v1.loractl_pb2.Adapter,
             ),
             '/loractl.v1.Loractl/Merge': grpclib.const.Handler(
                 self.Merge,
@@ -239,6 +259,18 @@ class LoractlStub:
             '/loractl.v1.Loractl/Metrics',
             loractl.v1.loractl_pb2.MetricsRequest,
             loractl.v1.loractl_pb2.MetricsReply,
+        )
+        self.Create = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Create',
+            loractl.v1.loractl_pb2.CreateRequest,
+            loractl.v1.loractl_pb2.Adapter,
+        )
+        self.Copy = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/Copy',
+            loractl.v1.loractl_pb2.CopyRequest,
+            loractl.v1.loractl_pb2.Adapter,
         )
         self.Merge = grpclib.client.UnaryUnaryMethod(
             channel,

@@ -362,7 +362,7 @@ class FileRecord(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class Adapter(_message.Message):
-    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin", "normalized", "merge")
+    __slots__ = ("name", "source", "ref", "revision", "base_model", "rank", "alpha", "target_modules", "size_bytes", "pulled_at", "files", "path", "hand_placed", "state", "error", "tier", "pinned", "slot", "last_used", "requests", "host_bytes", "pin", "normalized", "kind", "profile", "merge")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REF_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +386,8 @@ class Adapter(_message.Message):
     HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     NORMALIZED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     MERGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
@@ -410,8 +412,80 @@ class Adapter(_message.Message):
     host_bytes: int
     pin: str
     normalized: _containers.RepeatedScalarFieldContainer[str]
+    kind: str
+    profile: Profile
     merge: Merge
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ..., normalized: _Optional[_Iterable[str]] = ..., merge: _Optional[_Union[Merge, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., ref: _Optional[str] = ..., revision: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., size_bytes: _Optional[int] = ..., pulled_at: _Optional[float] = ..., files: _Optional[_Iterable[_Union[FileRecord, _Mapping]]] = ..., path: _Optional[str] = ..., hand_placed: _Optional[bool] = ..., state: _Optional[str] = ..., error: _Optional[str] = ..., tier: _Optional[str] = ..., pinned: _Optional[bool] = ..., slot: _Optional[int] = ..., last_used: _Optional[float] = ..., requests: _Optional[int] = ..., host_bytes: _Optional[int] = ..., pin: _Optional[str] = ..., normalized: _Optional[_Iterable[str]] = ..., kind: _Optional[str] = ..., profile: _Optional[_Union[Profile, _Mapping]] = ..., merge: _Optional[_Union[Merge, _Mapping]] = ...) -> None: ...
+
+class Profile(_message.Message):
+    __slots__ = ("base", "adapter", "digest", "adapters", "system", "template", "parameters", "messages", "license", "modelfile", "created_at")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LICENSE_FIELD_NUMBER: _ClassVar[int]
+    MODELFILE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    base: str
+    adapter: str
+    digest: str
+    adapters: _containers.RepeatedCompositeFieldContainer[WeightedAdapter]
+    system: str
+    template: str
+    parameters: _containers.ScalarMap[str, str]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    license: _containers.RepeatedScalarFieldContainer[str]
+    modelfile: str
+    created_at: float
+    def __init__(self, base: _Optional[str] = ..., adapter: _Optional[str] = ..., digest: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[WeightedAdapter, _Mapping]]] = ..., system: _Optional[str] = ..., template: _Optional[str] = ..., parameters: _Optional[_Mapping[str, str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., license: _Optional[_Iterable[str]] = ..., modelfile: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class WeightedAdapter(_message.Message):
+    __slots__ = ("name", "weight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    weight: float
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class CreateRequest(_message.Message):
+    __slots__ = ("name", "modelfile", "adapters", "system", "template", "parameters", "messages", "license")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MODELFILE_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LICENSE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    modelfile: str
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    system: str
+    template: str
+    parameters: _containers.RepeatedScalarFieldContainer[str]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    license: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., modelfile: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., system: _Optional[str] = ..., template: _Optional[str] = ..., parameters: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., license: _Optional[_Iterable[str]] = ..., **kwargs) -> None: ...
+
+class CopyRequest(_message.Message):
+    __slots__ = ("source", "destination")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    destination: str
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
 
 class Merge(_message.Message):
     __slots__ = ("method", "sources", "rank", "relative_error")

@@ -33,6 +33,7 @@ from loractld.trust.peers import may_change_state
 from loractld.core import GenerationRequest
 from loractld.core import DEFAULT_MAX_TOKENS, Sampling, Structured, TokenLogprob
 from loractld.core.policy import Caller
+from loractld.core.profiles import combined
 from loractld.views import AdapterView
 
 if TYPE_CHECKING:
@@ -192,6 +193,7 @@ class LoractlService(LoractlBase):
             prompt=request.prompt,
             messages=[{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None,
             lora=request.lora, sampling=_sampling_from(request.sampling), caller=caller,
+            given_sampling=_given(request.sampling),
         )
         prepared = await self.core.prepare(generation)
         produced = 0
@@ -225,7 +227,7 @@ class LoractlService(LoractlBase):
     @domain_errors
     async def List(self, stream) -> None:
         await stream.recv_message()
-        views = await self.core.list_adapters()
+        views = await self.core.list_adapters() + await self.core.list_profiles()
         await stream.send_message(pb.ListReply(adapters=[adapter_message(v) for v in views]))
 
     @domain_errors
@@ -260,6 +262,23 @@ class LoractlService(LoractlBase):
         await stream.send_message(pb.RemoveReply(adapter=adapter_message(removed.adapter), unloaded=removed.unloaded))
 
     @domain_errors
+    @mutating("create")
+    async def Create(self, stream, request: pb.CreateRequest) -> None:
+        modelfile = combined(
+            request.modelfile, base=getattr(request, "from"), adapters=list(request.adapters),
+            system=request.system if request.HasField("system") else None,
+            template=request.template if request.HasField("template") else None,
+            parameters=list(request.parameters), messages=[{"role": m.role, "content": m.content}
+                                                           for m in request.messages],
+            license=list(request.license))
+        await stream.send_message(adapter_message(await self.core.create(request.name, modelfile)))
+
+    @domain_errors
+    @mutating("copy", target=lambda r: f"{r.source} to {r.destination}")
+    async def Copy(self, stream, request: pb.CopyRequest) -> None:
+        await stream.send_message(adapter_message(await self.core.copy(request.source, request.destination)))
+
+    @domain_errors
     @mutating("merge", target=lambda r: f"{' '.join(f'{s.name}={s.weight:g}' for s in r.sources)} as {r.name}")
     async def Merge(self, stream, request: pb.MergeRequest) -> None:
         view = await self.core.merge(request.name, [(s.name, s.weight) for s in request.sources],
@@ -282,6 +301,11 @@ class LoractlService(LoractlBase):
 def adapter_message(view: AdapterView) -> pb.Adapter:
     fields = dataclasses.asdict(view)
     fields["files"] = [pb.FileRecord(**f) for f in fields["files"]]
+    profile = fields.pop("profile")
+    if profile is not None:
+        profile["adapters"] = [pb.WeightedAdapter(**a) for a in profile["adapters"]]
+        profile["messages"] = [pb.ChatMessage(**m) for m in profile["messages"]]
+        fields["profile"] = pb.Profile(**profile)
     return pb.Adapter(**fields)
 
 
@@ -303,6 +327,12 @@ def _sampling_from(params: pb.SamplingParams) -> Sampling:
             regex=given.regex if given.HasField("regex") else None, choice=list(given.choice) or None,
             grammar=given.grammar if given.HasField("grammar") else None)
     return sampling
+
+
+def _given(params: pb.SamplingParams) -> frozenset[str]:
+    """The sampling fields a request set itself (a profile's defaults fill the others)."""
+    given = {f.name for f, _ in params.ListFields()}
+    return frozenset(given - {"structured"})
 
 
 def _logprob_messages(logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:

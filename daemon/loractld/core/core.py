@@ -12,6 +12,7 @@ remove, events, metrics and status are written once, and fail only with domain e
 - :mod:`loractld.core.requests`: the request path (resolve, prepare, run, admission) for every door;
 - :mod:`loractld.core.tier_ops` and :mod:`loractld.core.disk_ops`: the engine's tiers and the disk's;
 - :mod:`loractld.core.merges`: weighted merges of stored adapters, installed as a pull installs;
+- :mod:`loractld.core.profiles`: profiles (named models made of adapters), and what they add to a request;
 - :mod:`loractld.core.reports`: status and metrics, read-only, apart from the request path.
 
 Each module states its own invariants; the store owns the adapter folders' leases and their GC
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 from loractld.core.disk_ops import DiskOps
 from loractld.core.merges import MergeOps
+from loractld.core.profiles import ProfileOps
 from loractld.core.reports import Reports
 from loractld.core.requests import RequestPath
 from loractld.core.state import CoreState
 from loractld.core.tier_ops import TierOps
 
 
-class Core(RequestPath, TierOps, DiskOps, MergeOps, Reports, CoreState):
+class Core(RequestPath, ProfileOps, TierOps, DiskOps, MergeOps, Reports, CoreState):
     """The daemon's state (catalog, engine, tiers, events, metrics, work in flight) and its
     operations; the front ends hold no state of their own beyond their connections."""

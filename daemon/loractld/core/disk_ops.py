@@ -72,6 +72,8 @@ class DiskOps:
 
     async def show(self, name: str) -> AdapterView:
         catalog = await self._wait_catalog()
+        if catalog.profiles.get(name) is not None:
+            return await self.show_profile(name)
         adapter = await asyncio.to_thread(catalog.store.get, name)
         await asyncio.to_thread(catalog.resolver.warm, [name])
         state = await self.tiers.sync() if self.tiers else None
@@ -79,7 +81,15 @@ class DiskOps:
 
     async def remove(self, name: str, *, force: bool = False) -> RemovedView:
         catalog = await self._wait_catalog()
+        if catalog.profiles.get(name) is not None:
+            return await self.remove_profile(name)
         catalog.store.get(name)  # AdapterNotFound before anything else
+        users = self.profiles_using(name)
+        if users and not force:
+            raise InvalidRequest(f"{name!r} is used by profile{'s' if len(users) > 1 else ''} {', '.join(users)}",
+                                 f"Remove {'them' if len(users) > 1 else 'it'} first (loractl rm {users[0]}), "
+                                 "or remove the adapter anyway with --force (the profiles then fail until "
+                                 "recreated).")
         # New content is hashed and validated off the loop (the checks below then ask its caches).
         await asyncio.to_thread(catalog.resolver.warm, [name])
         if self._serving[name] > 0:

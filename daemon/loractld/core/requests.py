@@ -146,12 +146,14 @@ class RequestPath:
                 if m["role"] not in ROLES:
                     raise InvalidRequest(f"unknown chat role {m['role']!r}", f"Use one of: {', '.join(ROLES)}.")
         surface = await self.openai_surface()
+        # A profile's name: its adapter (or the base model), its defaults under the request's own.
+        request, extra = await self.apply_profile(request)
         adapter, name, lease = await self.resolve_model(request.lora, request.caller, request.allow_folders,
                                                         ondemand_request=request)
         try:
             planned = await vllm_requests.plan(
                 surface, model=surface.served_name, messages=request.messages, prompt=request.prompt or None,
-                prompt_token_ids=request.prompt_token_ids, sampling=request.sampling)
+                prompt_token_ids=request.prompt_token_ids, sampling=request.sampling, extra=extra)
         except BaseException:
             if lease is not None:
                 lease.release()

@@ -23,6 +23,7 @@ from loractld.events import Event, EventBus, Metrics
 from loractld.serving.finishing import Finishing
 from loractld.startup import StartupProgress
 from loractld.store.preflight import Preflight
+from loractld.store.profiles import Profiles
 
 if TYPE_CHECKING:
     from loractld.engine.client import Engine
@@ -45,6 +46,11 @@ class Catalog:
     puller: Puller
     base_model: BaseModel
     preflight: Preflight = field(default_factory=Preflight)
+    profiles: Profiles = None   # type: ignore[assignment]  # the store's (set from it)
+
+    def __post_init__(self) -> None:
+        if self.profiles is None:
+            self.profiles = Profiles(self.store.root)
 
 
 class CoreState:

@@ -123,6 +123,10 @@ class RequestScope:
     lora_request: Any = None
     counted: list[int] = field(default_factory=list)
     first_token_ns: int | None = None   # time.perf_counter_ns() at its first generated token
+    # A profile's chat template (loractld.core.profiles): the daemon owner's, so vLLM takes it
+    # as this request's chat_template without --trust-request-chat-template (a client's own is
+    # still refused without it).
+    template: str | None = None
 
 
 CURRENT: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("loractl_openai_scope", default=None)
@@ -244,6 +248,24 @@ class OpenAISurface:
                                              options, engine.settings.chat_template)
         self._validators: dict[str, Any] = {}
         self.served_name = served_names[0]   # the base model's name, as the serving classes know it
+        self._trust_profile_templates()
+
+    def _trust_profile_templates(self) -> None:
+        """vLLM refuses a request's chat_template unless --trust-request-chat-template; the one a
+        profile gives (:attr:`RequestScope.template`, set by the core) is let through, as if the
+        daemon had been started with it."""
+        renderer = getattr(self.handler("chat"), "online_renderer", None)
+        if renderer is None:
+            return
+        check = renderer.validate_chat_template
+
+        def validate_chat_template(request_chat_template, chat_template_kwargs, trust_request_chat_template):
+            scope = CURRENT.get()
+            if scope is not None and scope.template is not None and request_chat_template == scope.template:
+                request_chat_template = None
+            return check(request_chat_template, chat_template_kwargs, trust_request_chat_template)
+
+        renderer.validate_chat_template = validate_chat_template
 
     def fields(self, route: str) -> set[str]:
         """The request fields ``route`` knows (names and aliases)."""
@@ -255,11 +277,13 @@ class OpenAISurface:
             known |= set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
         return known
 
-    def scope(self, model: str, adapter: Any, name: str | None, *, current: bool = True) -> RequestScope:
+    def scope(self, model: str, adapter: Any, name: str | None, *, current: bool = True,
+              template: str | None = None) -> RequestScope:
         """The request's adapter as a :class:`RequestScope`; set as :data:`CURRENT` (``current``),
         for this task and the tasks it starts from now on."""
         scope = RequestScope(model=model, adapter=adapter, name=name,
-                             lora_request=self._engine._lora_request(adapter) if adapter is not None else None)
+                             lora_request=self._engine._lora_request(adapter) if adapter is not None else None,
+                             template=template)
         if current:
             CURRENT.set(scope)
         return scope
@@ -286,13 +310,13 @@ class OpenAISurface:
             validator = self._validators[route] = TypeAdapter(self._routes[route].request_type)
         return validator
 
-    async def render(self, route: str, request: Any) -> list[Any]:
+    async def render(self, route: str, request: Any, *, template: str | None = None) -> list[Any]:
         """``request``'s engine inputs as ``route``'s handler renders them (the chat template, the
         tokenizer), for the base model's name; vLLM's refusal is an :class:`InvalidRequest`."""
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
         handler = self.handler(route)
-        token = CURRENT.set(RequestScope(model=request.model))
+        token = CURRENT.set(RequestScope(model=request.model, template=template))
         try:
             if route == "chat":
                 result = await handler.render_chat_request(request)

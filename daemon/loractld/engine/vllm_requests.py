@@ -95,11 +95,13 @@ def openai_request(surface: Any, route: str, body: dict[str, Any], sampling: Sam
 
 
 async def plan(surface: Any, *, model: str, messages: list[dict[str, str]] | None = None, prompt: str | None = None,
-               prompt_token_ids: list[int] | None = None, sampling: Sampling) -> Planned:
+               prompt_token_ids: list[int] | None = None, sampling: Sampling,
+               extra: dict[str, Any] | None = None) -> Planned:
     """Render one request as vLLM's serving classes render the HTTP door's, then fit its
     max_tokens to the context (``sampling.fitted``) and make its ``SamplingParams``. ``model`` is
     the name the serving classes know for the request (the base model's served name: the adapter
-    goes to the engine in its own ``LoRARequest``)."""
+    goes to the engine in its own ``LoRARequest``); ``extra``: further request fields (a
+    profile's ``chat_template``)."""
     chat = messages is not None
     fields = request_fields(dataclasses.replace(sampling, max_tokens=None), chat)
     fields.pop("max_tokens")
@@ -108,8 +110,8 @@ async def plan(surface: Any, *, model: str, messages: list[dict[str, str]] | Non
     else:
         body = {"model": model, "prompt": prompt_token_ids if prompt_token_ids is not None else prompt, **fields}
     route = "chat" if chat else "completion"
-    request = openai_request(surface, route, body, sampling)
-    rendered = await surface.render(route, request)
+    request = openai_request(surface, route, {**body, **(extra or {})}, sampling)
+    rendered = await surface.render(route, request, template=(extra or {}).get("chat_template"))
     engine_input = rendered[0]
     prompt_ids = list(engine_input["prompt_token_ids"])
     if not prompt_ids:

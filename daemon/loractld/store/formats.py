@@ -4,6 +4,8 @@
   ``Store.stamp_format``); a store
   written before formats were numbered has none and is format 1, the layout this release
   writes (``loractld/store/disk.py``). Each manifest a pull writes carries ``format`` too.
+- Each profile (``<store>/.profiles/<name>.json``, ``loractld/store/profiles.py``) carries
+  ``format``; a profile of a newer format is skipped with a warning, never misread.
 - The pins (``<state>/state.json``) carry ``format``; a file without one is format 1.
 - The service registry's entries carry ``format`` (``loractl/registry.py``), and readers skip an
   entry of a newer format instead of misreading it.
@@ -28,6 +30,7 @@ from loractl.errors import LoractlError
 STORE_FORMAT = 1
 STATE_FORMAT = 1
 MANIFEST_FORMAT = 1
+PROFILE_FORMAT = 1
 STORE_MARKER = ".loractl-store.json"
 
 

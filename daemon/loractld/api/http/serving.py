@@ -9,6 +9,8 @@ In front, in this order, before vLLM's code sees the request:
 3. a concurrency slot (429 past ``--http-max-concurrency``);
 4. the model named is resolved through the store (``Core.resolve_model``): a stored name, never
    a folder; auto-pull only for a key holder; the engine's own loader has accepted its content.
+   A profile's name resolves to its adapter (or the base model), and its defaults fill the body
+   under the request's own values (``Core.profile_body``).
    The resolve's lease holds the adapter's folder until the response ends, however it ends.
 
 Then vLLM's handler answers, its engine requests passing loractl's admission gate
@@ -27,7 +29,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from loractl.errors import AdapterNotFound
+from loractl.errors import AdapterNotFound, InvalidRequest
 from loractld.api.http.errors import HttpError, error_body, error_response, from_domain, unknown_model
 from loractld.core import Core, UnknownModel
 from loractld.core.policy import Caller
@@ -182,11 +184,20 @@ class Serving:
                             f"Did you mean {close[0]!r}?" if close else
                             "See vLLM's OpenAI API reference for this endpoint's fields.",
                             param=unknown[0], code="unknown_field")
+        profile = self.core.profile_of(model)
+        target = model
+        if profile is not None:
+            # A profile's name: its defaults under the request's own values, its adapter (or the base).
+            body = self.core.profile_body(profile, route, body)
+            try:
+                target = await self.core.profile_target(profile)
+            except (AdapterNotFound, InvalidRequest) as e:
+                raise from_domain(e, param="model") from e
         self.limiter.acquire()
         held = Held(self.limiter.release)
         try:
-            adapter, name = await until_disconnected(request, self._resolve(model, held))
-            surface.scope(model, adapter, name)
+            adapter, name = await until_disconnected(request, self._resolve(target, held))
+            surface.scope(model, adapter, name, template=profile.template if profile is not None else None)
             answer = await until_disconnected(request, surface.answer(route, body, request))
         except BaseException:
             held.release()

@@ -81,7 +81,9 @@ class Generation:
         if catalog is None:
             raise HttpError(503, "the daemon is starting", "Retry in a moment (loractl status --wait waits).",
                             code="engine_unavailable")
-        target = resolve(name, self.core.base_model_names(), catalog.store.has)
+        # A profile is a model as an adapter is (the OpenAI door applies it).
+        target = resolve(name, self.core.base_model_names(),
+                         lambda n: catalog.store.has(n) or self.core.profile_of(n) is not None)
         if target is None:
             raise await not_found(self.core, name)
         return name, target

@@ -1,0 +1,261 @@
+"""Profiles in :class:`loractld.core.core.Core`: create, copy, list, show and remove them, and what
+a profile adds to a request on its way to the engine (for every door).
+
+A part of ``Core`` (a base class of it). A profile is a model like an adapter: one name space
+for both, the same naming rules. Who may create or copy is decided by the door as for a pull
+(gRPC ``@mutating``; HTTP ``policy.authorized``): one rule, audited.
+
+Invariants:
+- A profile is written only once everything it names is known: its FROM (the base model, a
+  stored adapter or a profile, whose content it takes over), its adapters (stored names; several,
+  or a weight other than 1, become one merged adapter by ``Core.merge`` first), its Modelfile
+  lines. A refused create changes nothing but a merged adapter it made.
+- A profile's name is never an adapter's, and an adapter a profile runs is not removed unless
+  forced (:meth:`ProfileOps.profiles_using`, asked by ``remove``).
+- On the request path a profile's values are defaults: the request's own sampling values win;
+  a request's system message replaces the profile's (as Ollama does); the few-shot messages go
+  before the request's; the template is that request's chat template. A profile whose adapter
+  name now holds other content than it was made with is refused, never run on the new content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from loractl.errors import AdapterNotFound, InvalidRequest
+from loractl.names import validate_name
+from loractld.events import Event
+from loractld.store.modelfile import Modelfile, adapter_weight, checked_template, openai_fields, parse, refused
+from loractld.store.modelfile import _set_parameter as set_parameter
+from loractld.store.profiles import Profile
+from loractld.views import AdapterView, ProfileView, RemovedView
+
+if TYPE_CHECKING:
+    from loractld.core.state import Catalog
+    from loractld.generation import GenerationRequest
+
+SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "seed": "seed", "max_tokens": "max_tokens", "stop": "stop",
+                   "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                   "frequency_penalty": "frequency_penalty"}
+
+
+def combined(text: str = "", *, base: str | None = None, adapters: list[str] = (), system: str | None = None,
+             template: str | None = None, parameters: list[str] = (), messages: list[dict] = (),
+             license: list[str] = ()) -> Modelfile:
+    """A Modelfile's text with the fields given beside it (``loractl create --from ... --param
+    k=v``, Ollama's /api/create): a field overrides its line, parameters and messages add."""
+    m = parse(text, require_from=False) if text.strip() else Modelfile()
+    if base:
+        m.base = base
+    m.adapters += [adapter_weight(a) for a in adapters]
+    if system is not None:
+        m.system = system
+    if template is not None:
+        m.template = checked_template(template)
+    if any(item.partition("=")[0].strip().lower() == "stop" for item in parameters):
+        m.parameters.pop("stop", None)   # stops given beside the Modelfile replace its stops
+    for item in parameters:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise InvalidRequest(f"parameter {item!r} is not NAME=VALUE", "Write e.g. --param temperature=0.")
+        set_parameter(m.parameters, name.strip().lower(), value, 0)
+    for message in messages:
+        if message.get("role") not in ("system", "user", "assistant"):
+            raise InvalidRequest(f"message role {message.get('role')!r} is not system, user or assistant",
+                                 "Give few-shot turns as user and assistant messages.")
+        m.messages.append({"role": message["role"], "content": str(message.get("content", ""))})
+    m.license += list(license)
+    if not m.base:
+        raise refused(0, "no FROM line", "Give FROM (or --from): the base model, a stored adapter or a profile.")
+    return m
+
+
+def profile_view(profile: Profile) -> AdapterView:
+    return AdapterView(
+        name=profile.name, kind="profile", base_model=profile.base, pulled_at=profile.created_at,
+        profile=ProfileView(
+            base=profile.base, adapter=profile.adapter or "", digest=profile.digest,
+            adapters=[{"name": n, "weight": w} for n, w in profile.adapters], system=profile.system,
+            template=profile.template, parameters={k: json.dumps(v) for k, v in profile.parameters.items()},
+            messages=list(profile.messages), license=list(profile.license), modelfile=profile.modelfile_text(),
+            created_at=profile.created_at))
+
+
+class ProfileOps:
+    # -- reading --------------------------------------------------------------------------
+    def profile_of(self, name: str) -> Profile | None:
+        """The profile ``name`` names, from memory (the request path asks this for every name)."""
+        catalog = self.catalog
+        return catalog.profiles.get(name) if catalog is not None and name and "/" not in name[:1] else None
+
+    async def list_profiles(self) -> list[AdapterView]:
+        catalog = await self._wait_catalog()
+        return [profile_view(p) for p in await asyncio.to_thread(catalog.profiles.list)]
+
+    async def show_profile(self, name: str) -> AdapterView:
+        catalog = await self._wait_catalog()
+        return profile_view(catalog.profiles.require(name))
+
+    def profiles_using(self, adapter: str) -> list[str]:
+        return self.catalog.profiles.users_of(adapter) if self.catalog is not None else []
+
+    # -- writing --------------------------------------------------------------------------
+    async def create(self, name: str, modelfile: Modelfile, *, caller=None) -> AdapterView:
+        """Make (or replace) the profile ``name`` from ``modelfile`` (see the module's invariants)."""
+        catalog = await self._wait_catalog()
+        validate_name(name)
+        if await asyncio.to_thread(catalog.store.has, name):
+            raise InvalidRequest(f"{name!r} is an adapter in the store", "Give the profile another name "
+                                 "(adapters and profiles share one name space; loractl ls lists them).")
+        profile = Profile(name=name, base=modelfile.base, adapters=[[n, w] for n, w in modelfile.adapters])
+        sources: list[tuple[str, float]] = []
+        origin = catalog.profiles.get(modelfile.base)
+        if modelfile.base in self.base_model_names():
+            pass
+        elif origin is not None:
+            # FROM a profile: its adapter and defaults, which this Modelfile's lines then override.
+            sources = [(origin.adapter, 1.0)] if origin.adapter else []
+            profile.system, profile.template = origin.system, origin.template
+            profile.parameters, profile.messages = dict(origin.parameters), list(origin.messages)
+            profile.license = list(origin.license)
+        elif await asyncio.to_thread(catalog.store.has, modelfile.base):
+            sources = [(modelfile.base, 1.0)]
+        else:
+            known = sorted(self.base_model_names() - {""})
+            raise refused(0, f"FROM {modelfile.base!r} names neither the base model nor a stored adapter or profile",
+                          f"This daemon serves {known[0] if known else 'its --model'}: FROM that, an adapter or a "
+                          "profile (loractl ls lists them); pull an adapter first with loractl pull.")
+        for adapter, weight in modelfile.adapters:
+            if not await asyncio.to_thread(catalog.store.has, adapter):
+                raise InvalidRequest(f"ADAPTER {adapter!r} is not a stored adapter",
+                                     f"Pull it first (loractl pull REF --name NAME), then name it in ADAPTER.")
+            sources.append((adapter, weight))
+        if modelfile.system is not None:
+            profile.system = modelfile.system
+        if modelfile.template is not None:
+            profile.template = modelfile.template
+        profile.parameters.update(modelfile.parameters)
+        profile.messages += modelfile.messages
+        profile.license += modelfile.license
+        profile.adapter = await self._one_adapter(name, sources, caller)
+        if profile.adapter:
+            ref = await catalog.resolver.resolve_async(profile.adapter)
+            profile.digest = ref.digest
+        profile.created_at = time.time()
+        await asyncio.to_thread(catalog.profiles.put, profile)
+        self.events.publish(Event("DOWNLOADED_TO_DISK", name, reason="profile", message=f"profile {name} created"))
+        return profile_view(profile)
+
+    async def _one_adapter(self, name: str, sources: list[tuple[str, float]], caller) -> str | None:
+        """The one adapter a profile runs: none, the one source, or their merge (``Core.merge``)."""
+        if not sources:
+            return None
+        if len(sources) == 1 and sources[0][1] == 1.0:
+            return sources[0][0]
+        merge = getattr(self, "merge", None)
+        if merge is None:
+            raise InvalidRequest("several adapters (or a weighted one) need loractl merge, which this daemon lacks",
+                                 "Give one ADAPTER line, or upgrade loractl.")
+        merged = f"{name}-merged"
+        await merge(merged, sources, caller=caller)
+        return merged
+
+    async def copy(self, source: str, destination: str) -> AdapterView:
+        """``destination``: a new name for ``source``'s content (a profile, or an adapter)."""
+        catalog = await self._wait_catalog()
+        validate_name(destination)
+        if catalog.profiles.get(destination) is not None or await asyncio.to_thread(catalog.store.has, destination):
+            raise InvalidRequest(f"{destination!r} exists", f"Remove it first (loractl rm {destination}), or copy "
+                                 "to another name.")
+        profile = catalog.profiles.get(source)
+        if profile is not None:
+            copied = Profile(**{**profile.__dict__, "name": destination, "created_at": time.time()})
+            await asyncio.to_thread(catalog.profiles.put, copied)
+            self.events.publish(Event("DOWNLOADED_TO_DISK", destination, reason="profile",
+                                      message=f"profile {destination} copied from {source}"))
+            return profile_view(copied)
+        if not await asyncio.to_thread(catalog.store.has, source):
+            raise AdapterNotFound(f"no adapter or profile named {source!r}", "loractl ls lists them.")
+        stored = await asyncio.to_thread(catalog.store.copy, source, destination)
+        self.events.publish(Event("DOWNLOADED_TO_DISK", destination, message=f"copied from {source}"))
+        return await self.show(stored.name)
+
+    async def remove_profile(self, name: str) -> RemovedView:
+        catalog = await self._wait_catalog()
+        profile = await asyncio.to_thread(catalog.profiles.remove, name)
+        self.events.publish(Event("DELETED_FROM_DISK", name, reason="profile"))
+        return RemovedView(profile_view(profile), False)
+
+    # -- the request path -----------------------------------------------------------------
+    async def profile_target(self, profile: Profile) -> str:
+        """The name a profile's requests resolve: its adapter ("" the base model), refused when
+        that name now holds other content than the profile was made with."""
+        if not profile.adapter:
+            return ""
+        catalog = await self._wait_catalog()
+        try:
+            ref = await catalog.resolver.resolve_async(profile.adapter)
+        except AdapterNotFound as e:
+            raise AdapterNotFound(f"profile {profile.name!r} runs adapter {profile.adapter!r}, which is gone",
+                                  f"Pull it again, or recreate the profile (loractl create {profile.name} ...).") from e
+        if profile.digest and ref.digest != profile.digest:
+            raise InvalidRequest(f"profile {profile.name!r} was made with other content of {profile.adapter!r} "
+                                 "than the store now holds", f"Recreate it on the new revision: loractl show "
+                                 f"{profile.name} --modelfile > Modelfile; loractl create {profile.name} -f Modelfile")
+        return profile.adapter
+
+    @staticmethod
+    def profiled_messages(profile: Profile, messages: list[dict] | None) -> list[dict] | None:
+        """The request's messages with the profile's system prompt (unless the request has its
+        own) and few-shot turns before them."""
+        if messages is None:
+            return None
+        own_system = [m for m in messages[:1] if m.get("role") == "system"]
+        rest = messages[len(own_system):]
+        system = own_system or ([{"role": "system", "content": profile.system}] if profile.system is not None else [])
+        return [*system, *[dict(m) for m in profile.messages], *rest]
+
+    async def apply_profile(self, request: GenerationRequest) -> tuple[GenerationRequest, dict[str, Any]]:
+        """``request`` as its profile makes it (see the module's invariants), and the extra
+        request fields (the chat template) for vLLM's request; unchanged when ``request.lora``
+        is no profile."""
+        profile = self.profile_of(request.lora)
+        if profile is None:
+            return request, {}
+        import dataclasses
+
+        sampling = request.sampling
+        given = request.given_sampling
+        defaults = {f.name: f.default for f in dataclasses.fields(type(sampling))
+                    if f.default is not dataclasses.MISSING}
+        changes = {}
+        for field_name, value in openai_fields(profile.parameters).items():
+            target = SAMPLING_FIELDS[field_name]
+            current = getattr(sampling, target)
+            unset = target not in given if given is not None else \
+                (current == defaults.get(target) if target in defaults else not current)
+            if unset:
+                changes[target] = list(value) if target == "stop" else value
+        extra = {"chat_template": profile.template} if profile.template is not None and \
+            request.messages is not None else {}
+        lora = await self.profile_target(profile)
+        return dataclasses.replace(request, lora=lora, sampling=dataclasses.replace(sampling, **changes),
+                                   messages=self.profiled_messages(profile, request.messages)), extra
+
+    def profile_body(self, profile: Profile, route: str, body: dict) -> dict:
+        """An OpenAI door's request ``body`` as ``profile`` makes it: its absent fields from the
+        profile's parameters, its messages with the system prompt and few-shot turns, and the
+        profile's template as its chat template."""
+        out = dict(body)
+        for field_name, value in openai_fields(profile.parameters).items():
+            if out.get(field_name) is None:
+                out[field_name] = list(value) if field_name == "stop" else value
+        if route == "chat" and isinstance(out.get("messages"), list):
+            out["messages"] = self.profiled_messages(profile, out["messages"])
+            if profile.template is not None and out.get("chat_template") is None:
+                out["chat_template"] = profile.template
+        return out
