@@ -1,6 +1,7 @@
 """``/v1/models`` and vLLM's ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``.
 
-Model cards carry the fields vLLM's server reports (``root``: the weights' folder, ``parent``:
+Profiles are listed as models too (``_profile_card``: what runs them and what they are made
+of). Model cards carry the fields vLLM's server reports (``root``: the weights' folder, ``parent``:
 the base model an adapter belongs to, ``max_model_len``) plus a ``loractl`` object that no
 peer reports: the tier as read from the engine, the pin, the last use, the state.
 
@@ -13,6 +14,7 @@ scripts written for ``vllm serve`` keep working, and both are audited like the s
 from __future__ import annotations
 
 import contextlib
+import json
 
 from starlette.responses import PlainTextResponse
 
@@ -30,12 +32,16 @@ _OWN_FIELDS = ("tier", "pinned", "pin", "slot", "last_used", "requests", "state"
 
 async def list_models(core: Core) -> dict:
     adapters = await core.list_adapters()
-    return {"object": "list", "data": [_base_card(core)] + [_adapter_card(core, a) for a in adapters]}
+    profiles = await core.list_profiles()
+    return {"object": "list", "data": [_base_card(core)] + [_adapter_card(core, a) for a in adapters]
+            + [_profile_card(core, p) for p in profiles]}
 
 
 async def retrieve_model(core: Core, model: str) -> dict:
     if model in core.base_model_names():
         return _base_card(core)
+    if core.profile_of(model) is not None:
+        return _profile_card(core, await core.show_profile(model))
     for adapter in await core.list_adapters():
         if adapter.name == model:
             return _adapter_card(core, adapter)
@@ -58,6 +64,20 @@ def _adapter_card(core: Core, adapter: AdapterView) -> dict:
     return {"id": adapter.name, "object": "model", "created": int(adapter.pulled_at), "owned_by": "loractl",
             "root": adapter.path, "parent": core.served_model_name, "max_model_len": _max_model_len(core),
             "permission": [], "loractl": {"kind": "adapter", **{name: getattr(adapter, name) for name in _OWN_FIELDS}}}
+
+
+def _profile_card(core: Core, profile: AdapterView) -> dict:
+    """A profile's card: ``parent`` is what it runs (its adapter, or the base model); its
+    ``loractl`` object says what it is made of (FROM, the ADAPTER lines, system prompt,
+    parameters, the Modelfile)."""
+    made_of = profile.profile
+    return {"id": profile.name, "object": "model", "created": int(profile.pulled_at), "owned_by": "loractl",
+            "root": made_of.adapter or core.served_model_name, "parent": made_of.adapter or core.served_model_name,
+            "max_model_len": _max_model_len(core), "permission": [],
+            "loractl": {"kind": "profile", "from": made_of.base, "adapter": made_of.adapter or None,
+                        "adapters": made_of.adapters, "system": made_of.system,
+                        "parameters": {k: json.loads(v) for k, v in made_of.parameters.items()},
+                        "messages": made_of.messages, "modelfile": made_of.modelfile}}
 
 
 async def load_adapter(core: Core, body: LoadLoraAdapterRequest, principal: str) -> PlainTextResponse:

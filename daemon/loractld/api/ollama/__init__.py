@@ -2,14 +2,16 @@
 one port: ``loractld --http 127.0.0.1:11434`` stands in for Ollama.
 
 Routes: ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``, ``POST /api/pull``,
-``DELETE /api/delete``, ``POST /api/chat``, ``POST /api/generate``, ``GET /api/version``, and
-``GET``/``HEAD /`` ("Ollama is running"). Every stored adapter is a model (``names``: how the
+``DELETE /api/delete``, ``POST /api/chat``, ``POST /api/generate``, ``POST /api/create``,
+``POST /api/copy``, ``HEAD``/``POST /api/blobs/sha256:<hex>`` (``create``: profiles made of
+uploaded adapter files), ``GET /api/version``, and ``GET``/``HEAD /`` ("Ollama is running").
+Every stored adapter and profile is a model (``names``: how the
 names map), generation is the OpenAI door's (``generation``; ``dicts`` reads its answers as
 dicts where the door does not offer ``chat_dict``/``completion_dict``), options are mapped or refused by
 name (``options``), ``keep_alive`` moves adapters between the tiers within the trust rules
 (``residency``), failures are in Ollama's shape (``errors``). Not served: embeddings, image
-inputs, ``create``/``copy``/``push`` and blobs (loractl's models are the base model and the
-adapters its store pulls; ``loractl pull`` and ``/api/pull`` add them).
+inputs, ``push``, and ``create`` of a new base model (``files``) or ``quantize``: the daemon
+serves the one base model it started with.
 
 The door's guard applies here as on every route (API key or loopback Host names); which
 routes change state, for its socket rule, is said here: :data:`ONLY_READ_OR_GENERATE` (POST
@@ -21,7 +23,7 @@ from __future__ import annotations
 # POST routes that only read or generate from stored adapters: the guard treats them as GETs.
 ONLY_READ_OR_GENERATE = frozenset({"/api/chat", "/api/generate", "/api/show"})
 # Routes that change state, as the audit log names their operation.
-OPERATIONS = {"/api/pull": "pull", "/api/delete": "rm"}
+OPERATIONS = {"/api/pull": "pull", "/api/delete": "rm", "/api/create": "create", "/api/copy": "copy"}
 
 
 def register(app, core, settings, *, openai=None) -> None:

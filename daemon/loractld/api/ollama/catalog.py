@@ -7,6 +7,9 @@ adapter, in Ollama's shapes, from the core's views (the tiers as the engine repo
   in a device slot (``size_vram`` its size); ``expires_at`` is far in the future for the base
   model and pinned adapters, and absent for the others (the least-recently-used rule, not a
   clock, decides when they go);
+- tags also lists each profile (its size: its adapter's, or the base model's; ``parent_model``:
+  its FROM), and show of a profile gives its Modelfile, system prompt, template, parameters,
+  few-shot messages and license (``show_profile``);
 - show: details, the adapter's LoRA config and the model's sampling defaults as
   ``parameters``, the chat template, ``model_info`` (context length, parameter count, LoRA
   config) and ``capabilities``.
@@ -122,14 +125,48 @@ class Catalog:
     async def tags(self) -> dict:
         facts = await self.facts()
         adapters = await self.core.list_adapters()
-        stored = {a.name for a in adapters}
+        profiles = await self.core.list_profiles()
+        stored = {a.name for a in adapters} | {p.name for p in profiles}
         models = [self._entry(self.base_name, facts.size, self._base_digest(), iso(facts.modified or
                                                                                self.core.started_wall),
                               self.details(facts, None))]
         for a in adapters:
             models.append(self._entry(listed_name(a.name, stored), a.size_bytes, digest(a), iso(a.pulled_at),
                                       self.details(facts, a)))
+        by_name = {a.name: a for a in adapters}
+        for p in profiles:
+            runs = by_name.get(p.profile.adapter)
+            models.append(self._entry(listed_name(p.name, stored), runs.size_bytes if runs else facts.size,
+                                      profile_digest(p), iso(p.pulled_at), self.profile_details(facts, p, stored)))
         return {"models": models}
+
+    def profile_details(self, facts: BaseFacts, profile: AdapterView, stored: set[str]) -> dict:
+        """A profile's details: its FROM as ``parent_model``; ``lora`` among its families when it
+        runs an adapter."""
+        made_of = profile.profile
+        parent = self.base_name if made_of.base in self.core.base_model_names() else listed_name(made_of.base, stored)
+        details = self.details(facts, profile if made_of.adapter else None)
+        return {**details, "parent_model": parent}
+
+    async def show_profile(self, profile: AdapterView, adapter: AdapterView | None) -> dict:
+        """``/api/show`` of a profile: its adapter's (or the base model's) answer, with the
+        profile's Modelfile (as ``loractl show --modelfile`` prints it), system prompt, template,
+        parameters, few-shot messages and license."""
+        made_of = profile.profile
+        out = await self.show(adapter)
+        stored = {a.name for a in await self.core.list_adapters()} | {p.name for p in await self.core.list_profiles()}
+        parameters = {k: json.loads(v) for k, v in made_of.parameters.items()}
+        lines = [f"{k:<30} {json.dumps(v) if k == 'stop' else v}" for k, values in parameters.items()
+                 for v in (values if isinstance(values, list) else [values])]
+        out.update({"modelfile": made_of.modelfile, "parameters": "\n".join(lines),
+                    "license": "\n".join(made_of.license), "messages": list(made_of.messages),
+                    "details": self.profile_details(await self.facts(), profile, stored),
+                    "modified_at": iso(profile.pulled_at)})
+        if made_of.system is not None:
+            out["system"] = made_of.system
+        if made_of.template is not None:
+            out["template"] = made_of.template
+        return out
 
     async def ps(self) -> dict:
         facts = await self.facts()
@@ -201,6 +238,11 @@ class Catalog:
         if modified is not None:
             entry["modified_at"] = modified
         return entry
+
+
+def profile_digest(profile: AdapterView) -> str:
+    """A digest of what a profile is: its Modelfile and its adapter's content."""
+    return hashlib.sha256(f"{profile.profile.modelfile}\0{profile.profile.digest}".encode()).hexdigest()
 
 
 def digest(adapter: AdapterView) -> str:

@@ -19,10 +19,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from loractl import __version__
 from loractld.api.http.protocol import PEER_UID, json_body, read_body
 from loractld.api.ollama.catalog import Catalog
+from loractld.api.ollama.create import CREATE_FIELDS, CreateDoor
 from loractld.api.ollama.dicts import DictDoor
 from loractld.api.ollama.errors import line
 from loractld.api.ollama.generation import NDJSON, Generation, OpenAIDoor, not_found
-from loractld.api.ollama.names import resolve
+from loractld.api.ollama.names import candidates, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line, pull_ref
 from loractld.api.ollama.residency import caller_of
@@ -47,6 +48,7 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
         return await caller_of(request, key_required, PEER_UID)
 
     generation = Generation(core, openai, caller)
+    creating = CreateDoor(core, settings.body_timeout_s)
 
     async def body(request: Request, fields: set[str]) -> dict:
         req = json_body(await read_body(request, settings.max_body_bytes, settings.body_timeout_s) or b"{}")
@@ -96,7 +98,13 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
     @app.post("/api/show")
     async def show(request: Request) -> JSONResponse:
         req = await body(request, {"model", "name", "verbose"})
-        _, adapter = await stored_target(model_of(req))
+        name = model_of(req)
+        profile = core.profile_of(next((c for c in candidates(name.strip().lower()) if core.profile_of(c)), ""))
+        if profile is not None:
+            view = await core.show_profile(profile.name)
+            runs = await core.show(profile.adapter) if profile.adapter else None
+            return JSONResponse(await catalog.show_profile(view, runs))
+        _, adapter = await stored_target(name)
         return JSONResponse(await catalog.show(adapter))
 
     @app.post("/api/chat")
@@ -116,22 +124,27 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
                           "environment for private repositories.")
         ref, revision, name = await pull_ref(core, model_of(req))
         who = await caller(request)
-        events = _pull_lines(core, who, ref, revision, name)
-        first = []
-        try:   # up to the end of the resolve: a missing repository is a 4xx, not a 200 with an error line
-            while not first or first[-1].get("status") == "pulling manifest":
-                first.append(await anext(events))
-        except StopAsyncIteration:
-            pass
-        except BaseException:
-            await events.aclose()
-            raise
-        if req.get("stream", True):
-            return StreamingResponse(_ndjson(first, events), media_type=NDJSON)
-        async with contextlib.aclosing(events):
-            async for _ in events:
-                pass
-        return JSONResponse({"status": "success"})
+        return await _respond(_pull_lines(core, who, ref, revision, name), req.get("stream", True),
+                              lambda first: first.get("status") == "pulling manifest")
+
+    @app.post("/api/create")
+    async def create(request: Request) -> Response:
+        req = await body(request, CREATE_FIELDS)
+        lines = await creating.create(await caller(request), req)
+        # Up to the first line: a refused caller is a 403, not a 200 with an error line.
+        return await _respond(lines, req.get("stream", True), lambda first: False)
+
+    @app.post("/api/copy")
+    async def copy(request: Request) -> Response:
+        return await creating.copy(await caller(request), await body(request, {"source", "destination"}))
+
+    @app.head("/api/blobs/{digest}")
+    async def has_blob(digest: str) -> Response:
+        return await creating.has_blob(digest)
+
+    @app.post("/api/blobs/{digest}")
+    async def upload_blob(request: Request, digest: str) -> Response:
+        return await creating.upload(request, await caller(request), digest)
 
     @app.delete("/api/delete")
     async def delete(request: Request) -> Response:
@@ -150,12 +163,7 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
 NOT_SERVED = {
     "/api/embed": (["POST"], "embeddings are not served: the engine runs the model for generation"),
     "/api/embeddings": (["POST"], "embeddings are not served: the engine runs the model for generation"),
-    "/api/create": (["POST"], "models are not created from a Modelfile: every adapter in the store is a model "
-                              "already (POST /api/pull, or loractl pull, adds one)"),
-    "/api/copy": (["POST"], "models are not copied: pull the adapter again under another name (loractl pull REF "
-                            "--name NAME)"),
     "/api/push": (["POST"], "models are not pushed: loractl pulls from the Hugging Face Hub"),
-    "/api/blobs/{digest}": (["HEAD", "POST"], "blobs are Ollama's model files: loractl pulls adapters whole"),
 }
 
 
@@ -173,6 +181,27 @@ async def _pull_lines(core: Core, caller: policy.Caller, ref: str, revision: str
                 status = progress_line(event.stage, event.file, event.done, event.total)
                 if status is not None:
                     yield status
+
+
+async def _respond(lines: AsyncIterator[dict], stream: bool, more) -> Response:
+    """Status lines as Ollama answers them: a stream of lines, or (``stream`` false) one
+    ``success`` once they are all done. The lines up to the first for which ``more`` is false
+    are read before answering: what fails there is an HTTP error, not a 200 with an error line."""
+    first = []
+    try:
+        while not first or more(first[-1]):
+            first.append(await anext(lines))
+    except StopAsyncIteration:
+        pass
+    except BaseException:
+        await lines.aclose()
+        raise
+    if stream:
+        return StreamingResponse(_ndjson(first, lines), media_type=NDJSON)
+    async with contextlib.aclosing(lines):
+        async for _ in lines:
+            pass
+    return JSONResponse({"status": "success"})
 
 
 async def _ndjson(first: list[dict], rest: AsyncIterator[dict]) -> AsyncIterator[bytes]:

@@ -1,0 +1,227 @@
+"""``HEAD``/``POST /api/blobs/sha256:<hex>``, ``POST /api/create`` and ``POST /api/copy``: Ollama's
+way of making a model, as loractl's profiles (``core.profiles``).
+
+- blobs: an upload verified against its digest while it streams, bounded and counted against a
+  quota, written atomically (``store.blobs``); HEAD says whether one is stored (200) or not (404);
+- create: ``from`` (the base model, a stored adapter or a profile), ``adapters`` (a PEFT
+  adapter's files, ``adapter_config.json`` and ``adapter_model.safetensors``, by blob digest:
+  assembled into a folder and pulled from it as ``loractl pull FOLDER`` does — validated, loaded
+  once by the engine's own loader — under the name ``<model>-adapter``), ``system``,
+  ``template`` (Jinja), ``parameters``, ``messages``, ``license``: one profile, as ``loractl
+  create`` makes it. Its status lines are Ollama's (``using existing layer sha256:...``, ...,
+  ``writing manifest``, ``success``). ``quantize`` and ``files`` (a GGUF or safetensors base
+  model) are refused by name: the daemon serves the one base model it started with;
+- copy: ``loractl cp`` (a profile or an adapter under a new name).
+
+Who may upload, create and copy: the one policy (``core.policy.authorized``, the rule pull
+follows on this door), each call one audit line, allowed or refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loractld.api.http.errors import HttpError
+from loractld.api.ollama.generation import not_found
+from loractld.api.ollama.names import LATEST, resolve
+from loractld.api.ollama.options import refusal
+from loractld.api.ollama.pulls import progress_line
+from loractld.core import policy
+from loractld.core.profiles import combined
+from loractld.store.blobs import Blobs, blob_hex
+from loractld.store.peft import CONFIG_FILE
+from loractld.store.sources import ADAPTER_FILES
+from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES
+
+if TYPE_CHECKING:
+    from loractld.core import Core
+
+CREATE_FIELDS = {"model", "name", "from", "files", "adapters", "system", "template", "parameters", "messages",
+                 "license", "stream", "quantize", "modelfile", "path"}
+_HINT = ("Send the daemon's API key (--api-key-file), or call as root, the daemon's user or a member of its "
+         "socket group (as loractl pull/create would).")
+
+
+def store_name(name: str) -> str:
+    """An Ollama model name as loractl names a profile: ``x:latest`` -> ``x``, ``x:v1`` -> ``x/v1``."""
+    name = name.strip().lower()
+    model, colon, tag = name.rpartition(":")
+    if not colon:
+        return name
+    return model if tag == LATEST or "/" in model else f"{model}/{tag}"
+
+
+class CreateDoor:
+    """The three routes' work, for one app (the blobs are opened at the first upload)."""
+
+    def __init__(self, core: Core, body_timeout_s: float) -> None:
+        self.core = core
+        self.body_timeout_s = body_timeout_s
+        self._blobs: Blobs | None = None
+
+    async def blobs(self) -> Blobs:
+        if self._blobs is None:
+            catalog = await self.core._wait_catalog()
+            limit = catalog.resolver.max_bytes or DEFAULT_MAX_WEIGHTS_BYTES
+            # One adapter's weights and its config in flight or waiting for their create, twice over.
+            self._blobs = await asyncio.to_thread(Blobs, catalog.store.root, max_blob_bytes=limit,
+                                                  quota_bytes=2 * limit + (1 << 20),
+                                                  check_free_space=catalog.store.check_free_space)
+        return self._blobs
+
+    # -- blobs -----------------------------------------------------------------------------
+    async def has_blob(self, digest: str) -> Response:
+        blobs = await self.blobs()
+        return Response(status_code=200 if await asyncio.to_thread(blobs.has, f"sha256:{_hex(digest)}") else 404)
+
+    async def upload(self, request: Request, caller: policy.Caller, digest: str) -> Response:
+        blobs = await self.blobs()
+        hex_ = _hex(digest)
+        declared = request.headers.get("content-length", "")
+        async with policy.authorized(caller, self.core.socket_gid, "upload", f"sha256:{hex_}",
+                                     refusal="upload blobs over HTTP", hint=_HINT):
+            created = await blobs.write(f"sha256:{hex_}", self._chunks(request),
+                                        int(declared) if declared.isdigit() else None)
+        return Response(status_code=201 if created else 200)
+
+    async def _chunks(self, request: Request) -> AsyncIterator[bytes]:
+        """The body, each piece within the body timeout (a stalled upload holds nothing)."""
+        stream = request.stream()
+        while True:
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                return
+            except TimeoutError as e:
+                raise HttpError(408, f"the upload stalled for {self.body_timeout_s:g} s", "Send the file at once, "
+                                "or raise loractld --http-body-timeout.", code="body_timeout",
+                                headers={"Connection": "close"}) from e
+            if chunk:
+                yield chunk
+
+    # -- copy ------------------------------------------------------------------------------
+    async def copy(self, caller: policy.Caller, req: dict) -> Response:
+        source, destination = req.get("source"), req.get("destination")
+        if not isinstance(source, str) or not source or not isinstance(destination, str) or not destination:
+            raise refusal("source and destination are required", "Send {\"source\": ..., \"destination\": ...}.")
+        target = await self._target(source)
+        if target is None:
+            raise refusal(f"{source!r} is the base model: it cannot be copied", "Copy an adapter or a profile; or "
+                          f"create a profile from the base model (POST /api/create with from {source!r}).",
+                          param="source")
+        async with policy.authorized(caller, self.core.socket_gid, "copy", f"{target} to {store_name(destination)}",
+                                     refusal="copy models over HTTP", hint=_HINT):
+            await self.core.copy(target, store_name(destination))
+        return Response(status_code=200)
+
+    async def _target(self, name: str) -> str | None:
+        """The store name an Ollama name means (None: the base model); 404 when none."""
+        catalog = await self.core._wait_catalog()
+        target = resolve(name, self.core.base_model_names(),
+                         lambda n: catalog.store.has(n) or self.core.profile_of(n) is not None)
+        if target is None:
+            raise await not_found(self.core, name)
+        return target.adapter
+
+    # -- create ----------------------------------------------------------------------------
+    async def create(self, caller: policy.Caller, req: dict) -> AsyncIterator[dict]:
+        """The create's status lines (its refusals before the first: a 4xx, not a 200 with an error line)."""
+        name, base, files = await self._checked(req)
+        return self._create_lines(caller, req, name, base, files)
+
+    async def _checked(self, req: dict) -> tuple[str, str, dict[str, str]]:
+        """(profile name, its FROM, the adapter's files by blob digest), or a 4xx before any line."""
+        model = req.get("model") or req.get("name")
+        if not isinstance(model, str) or not model.strip():
+            raise refusal("model is required", "Name the model to create.", param="model")
+        if req.get("quantize"):
+            raise refusal("quantize is not served: loractl serves its base model as the daemon loaded it",
+                          "Leave quantize out (loractld --dtype and --quantization choose the engine's weights).",
+                          param="quantize")
+        if req.get("files"):
+            raise refusal("files (a GGUF or safetensors model) are not served: the daemon serves the one base model "
+                          "it started with", "Create from it (from: the base model's name, GET /api/tags) and give "
+                          "a PEFT adapter's files in adapters; or restart loractld --model with that model.",
+                          param="files")
+        if req.get("modelfile") or req.get("path"):
+            raise refusal("modelfile and path are the API's old fields", "Send from, adapters, system, parameters "
+                          "..., as the ollama client does; or run loractl create NAME -f Modelfile.", param="modelfile")
+        adapters = req.get("adapters") or {}
+        if not isinstance(adapters, dict) or not all(isinstance(v, str) for v in adapters.values()):
+            raise refusal("adapters must map file names to blob digests", "Upload each file with POST /api/blobs/"
+                          "sha256:<hex>, then send {\"adapter_config.json\": \"sha256:...\", ...}.", param="adapters")
+        files = {k.rsplit("/", 1)[-1]: v for k, v in adapters.items()}
+        unknown = sorted(set(files) - set(ADAPTER_FILES))
+        if unknown or (files and CONFIG_FILE not in files) or len(files) != len(adapters):
+            raise refusal(f"adapters must be a PEFT LoRA adapter's {' and '.join(ADAPTER_FILES)}"
+                          + (f", not {', '.join(unknown)}" if unknown else ""),
+                          "Upload adapter_config.json and adapter_model.safetensors as blobs and name them.",
+                          param="adapters")
+        blobs = await self.blobs()
+        for file, digest in files.items():
+            if not await asyncio.to_thread(blobs.has, f"sha256:{_hex(digest)}"):
+                raise refusal(f"blob {digest} ({file}) is not uploaded", f"POST /api/blobs/{digest} first.",
+                              status=400, param="adapters")
+        source = req.get("from")
+        if source is None and not files:
+            raise refusal("from is required", "Name the base model, an adapter or a profile (GET /api/tags).",
+                          param="from")
+        base = await self._target(source) if source else None
+        return store_name(model), base or self.core.served_model_name, files
+
+    async def _create_lines(self, caller: policy.Caller, req: dict, name: str, base: str,
+                            files: dict[str, str]) -> AsyncIterator[dict]:
+        async with policy.authorized(caller, self.core.socket_gid, "create", name,
+                                     refusal="create models over HTTP", hint=_HINT):
+            adapters = []
+            if files:
+                adapter = f"{name}-adapter"
+                async for line in self._install(adapter, files):
+                    yield line
+                adapters.append(adapter)
+            parameters = []
+            for key, value in (req.get("parameters") or {}).items():
+                parameters += [f"{key}={v}" for v in (value if isinstance(value, list) else [value])]
+            license = req.get("license") or []
+            modelfile = combined(base=base, adapters=adapters, system=req.get("system"),
+                                 template=req.get("template"), parameters=parameters,
+                                 messages=list(req.get("messages") or []),
+                                 license=[license] if isinstance(license, str) else list(license))
+            yield {"status": "writing manifest"}
+            await self.core.create(name, modelfile, caller=caller)
+            if files:
+                blobs = await self.blobs()
+                await asyncio.to_thread(blobs.remove, list(files.values()))   # their content is in the store now
+        yield {"status": "success"}
+
+    async def _install(self, adapter: str, files: dict[str, str]) -> AsyncIterator[dict]:
+        """Pull the adapter assembled from ``files``' blobs, as ``loractl pull FOLDER`` would."""
+        blobs = await self.blobs()
+        for file, digest in files.items():
+            yield {"status": f"using existing layer sha256:{_hex(digest)}", "digest": digest}
+        folder = await asyncio.to_thread(blobs.assemble, files)
+        try:
+            async with contextlib.aclosing(self.core.pull(str(folder), name=adapter)) as events:
+                async for event in events:
+                    line = progress_line(event.stage, event.file, event.done, event.total)
+                    if line is not None and line["status"] not in ("success", "writing manifest"):
+                        yield line
+        finally:
+            await asyncio.to_thread(shutil.rmtree, folder, True)
+
+
+def _hex(digest: str) -> str:
+    try:
+        return blob_hex(digest)
+    except Exception as e:  # noqa: BLE001 - InvalidRequest, in Ollama's words
+        raise refusal(str(e.args[0] if e.args else e), "Name a blob as sha256:<64 hex digits>.",
+                      param="digest") from None
+

@@ -1,0 +1,127 @@
+"""Ollama's way of making a model (issue 47): ``/api/blobs``, ``/api/create`` and ``/api/copy``
+with the official ``ollama`` client, on the session's rig.
+
+A demo adapter's two files are uploaded as blobs (``create_blob``), ``create`` makes a profile
+over them with a system prompt and parameters, and the profile answers as gRPC does for the
+adapter with that system prompt and those parameters; ``copy`` names it again; ``/api/tags``,
+``/v1/models`` and ``/api/show`` (its Modelfile) list it; a blob with the wrong digest is
+refused and leaves nothing; a base model by ``files`` and ``quantize`` are refused by name; the
+profile survives a restart of the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import httpx
+import ollama
+import pytest
+
+from conftest import collect
+
+SOURCE = "poet/v1"
+SYSTEM = "You write one short line."
+QUESTION = [{"role": "user", "content": "Describe the sea."}]
+
+
+@pytest.fixture(scope="module")
+def created(rig):
+    client = ollama.Client(host=rig.http, timeout=300)
+    folder = rig.root / "tiny" / "adapters" / SOURCE
+    adapters = {name: client.create_blob(folder / name) for name in ("adapter_config.json",
+                                                                     "adapter_model.safetensors")}
+    for digest in adapters.values():
+        assert httpx.head(f"{rig.http}/api/blobs/{digest}").status_code == 200
+    lines = list(client.create(model="bard", adapters=adapters, system=SYSTEM,
+                               parameters={"temperature": 0, "num_predict": 8, "stop": ["\n\n"]}, stream=True))
+    statuses = [line.status for line in lines]
+    assert statuses[-1] == "success" and "writing manifest" in statuses, statuses
+    assert any(s.startswith("using existing layer sha256:") for s in statuses), statuses
+    # The blobs' content is in the store now: they are not kept twice.
+    assert httpx.head(f"{rig.http}/api/blobs/{adapters['adapter_config.json']}").status_code == 404
+    return rig, client
+
+
+def _grpc(rig, lora: str, messages: list[dict], **sampling) -> dict:
+    async def go() -> dict:
+        async with rig.daemon.client() as client:
+            return await collect(client, messages=messages, lora=lora, **sampling)
+    return asyncio.run(go())
+
+
+def _plain(rig) -> dict:
+    """The adapter the create installed, asked with the profile's system prompt and parameters."""
+    return _grpc(rig, "bard-adapter", [{"role": "system", "content": SYSTEM}, *QUESTION], temperature=0.0,
+                 max_tokens=8, stop=["\n\n"])
+
+
+def test_the_created_model_answers_as_its_adapter_with_its_system_prompt(created):
+    rig, client = created
+    plain = _plain(rig)
+    assert plain["ids"], plain
+    assert client.chat(model="bard", messages=QUESTION).message.content == plain["text"]
+    assert client.chat(model="bard:latest", messages=QUESTION).message.content == plain["text"]
+    # Without the system prompt the adapter answers otherwise: the profile's reached the engine.
+    bare = _grpc(rig, "bard-adapter", QUESTION, temperature=0.0, max_tokens=8, stop=["\n\n"])
+    assert bare["ids"] != plain["ids"]
+
+
+def test_copy_tags_models_and_show(created):
+    rig, client = created
+    assert client.copy("bard", "bard:copy").status == "success"
+    assert client.chat(model="bard:copy", messages=QUESTION).message.content == _plain(rig)["text"]
+    tags = {m.model: m for m in client.list().models}
+    assert {"bard:latest", "bard:copy", "bard-adapter:latest"} <= set(tags), sorted(tags)
+    assert tags["bard:latest"].details.parent_model.startswith(rig_base(rig))
+    assert "lora" in tags["bard:latest"].details.families
+    cards = {c["id"]: c for c in httpx.get(f"{rig.http}/v1/models").json()["data"]}
+    assert cards["bard"]["parent"] == "bard-adapter" and cards["bard"]["loractl"]["system"] == SYSTEM
+    shown = client.show("bard")
+    assert shown.modelfile == rig.ok("show", "bard", "--modelfile").stdout
+    assert "\nADAPTER bard-adapter\n" in shown.modelfile and f"\nSYSTEM {SYSTEM}\n" in shown.modelfile
+    assert "temperature" in shown.parameters and "num_predict" in shown.parameters
+    raw = httpx.post(f"{rig.http}/api/show", json={"model": "bard"}).json()
+    assert raw["system"] == SYSTEM
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.copy("no-such-model", "other")
+    assert missing.value.status_code == 404
+
+
+def rig_base(rig) -> str:
+    return httpx.get(f"{rig.http}/v1/models").json()["data"][0]["id"]
+
+
+def test_a_blob_with_the_wrong_digest_is_refused_and_leaves_nothing(created):
+    rig, _ = created
+    content = b"not the adapter you are looking for"
+    claimed = "sha256:" + hashlib.sha256(b"something else").hexdigest()
+    answer = httpx.post(f"{rig.http}/api/blobs/{claimed}", content=content)
+    assert answer.status_code == 400 and "digest" in answer.json()["error"], answer.text
+    assert httpx.head(f"{rig.http}/api/blobs/{claimed}").status_code == 404
+    real = "sha256:" + hashlib.sha256(content).hexdigest()
+    assert httpx.head(f"{rig.http}/api/blobs/{real}").status_code == 404
+    assert not list(rig.root.rglob(".blobs/.part-*"))
+    assert httpx.post(f"{rig.http}/api/blobs/sha256:xyz", content=content).status_code == 400
+
+
+def test_a_new_base_model_and_quantize_are_refused_by_name(created):
+    rig, client = created
+    for fields, word in (({"files": {"model.gguf": "sha256:" + "0" * 64}}, "files"), ({"quantize": "q4_K_M"},
+                                                                                       "quantize")):
+        answer = httpx.post(f"{rig.http}/api/create", json={"model": "nope", "from": "bard", **fields})
+        assert answer.status_code == 400 and word in answer.json()["error"], answer.text
+    missing = httpx.post(f"{rig.http}/api/create", json={"model": "nope", "adapters": {
+        "adapter_config.json": "sha256:" + "1" * 64}})
+    assert missing.status_code == 400 and "not uploaded" in missing.json()["error"], missing.text
+    assert "nope:latest" not in {m.model for m in client.list().models}
+
+
+def test_the_profile_survives_a_restart(created):
+    rig, _ = created
+    before = _plain(rig)["text"]
+    rig.daemon.stop()
+    rig.start()
+    client = ollama.Client(host=rig.http, timeout=300)
+    assert "bard:latest" in {m.model for m in client.list().models}
+    assert client.chat(model="bard", messages=QUESTION).message.content == before
