@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
 
 import httpx
 import ollama
 import pytest
 
 from conftest import collect
+from test_ollama import NOBODY
 
 SOURCE = "poet/v1"
 SYSTEM = "You write one short line."
@@ -115,6 +121,28 @@ def test_a_new_base_model_and_quantize_are_refused_by_name(created):
         "adapter_config.json": "sha256:" + "1" * 64}})
     assert missing.status_code == 400 and "not uploaded" in missing.json()["error"], missing.text
     assert "nope:latest" not in {m.model for m in client.list().models}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("curl"),
+                    reason="needs root, setpriv and curl to call as another user")
+def test_a_keyless_stranger_may_not_upload_create_or_copy(created, tmp_path):
+    rig, client = created
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"a stranger's blob")
+    digest = "sha256:" + hashlib.sha256(blob.read_bytes()).hexdigest()
+    calls = [("/api/blobs/" + digest, ["--data-binary", f"@{blob}"], "upload"),
+             ("/api/create", ["-d", json.dumps({"model": "stranger", "from": "bard"})], "create"),
+             ("/api/copy", ["-d", json.dumps({"source": "bard", "destination": "stranger"})], "copy")]
+    for path, data, operation in calls:
+        out = subprocess.run([*NOBODY, "curl", "-s", "-m", "60", "-w", "\n%{http_code}", "-X", "POST",
+                              "-H", "Content-Type: application/json", *data, rig.http + path],
+                             capture_output=True, text=True).stdout
+        text, _, code = out.rpartition("\n")
+        assert code == "403" and "may not" in json.loads(text)["error"], (path, out)
+        line = rf"audit uid=65534 http=127\.0\.0\.1:\d+ op={operation} target=\(request not read\) result=denied"
+        assert re.search(line, rig.daemon.log.read_text(errors="replace")), operation
+    assert httpx.head(f"{rig.http}/api/blobs/{digest}").status_code == 404
+    assert "stranger:latest" not in {m.model for m in client.list().models}
 
 
 def test_the_profile_survives_a_restart(created):

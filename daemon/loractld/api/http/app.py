@@ -209,7 +209,7 @@ class Guard:
         scope[PEER_UID] = uid
         if self.api_key is not None or (uid is not None and may_change_state(uid, None, self.socket_gid)):
             return None
-        operation = _OPERATIONS.get(scope["path"], scope["path"])
+        operation = _OPERATIONS.get(scope["path"]) or ollama.operation_of(scope["path"])
         audit.record(principal_of(scope), operation, "(request not read)", "denied")
         who = f"uid {uid}" if uid is not None else "a caller whose uid is unknown"
         return error_response(403, f"{who} may not {operation} over HTTP without an API key: only root, the "

@@ -26,6 +26,11 @@ ONLY_READ_OR_GENERATE = frozenset({"/api/chat", "/api/generate", "/api/show"})
 OPERATIONS = {"/api/pull": "pull", "/api/delete": "rm", "/api/create": "create", "/api/copy": "copy"}
 
 
+def operation_of(path: str) -> str:
+    """The audit's name for a state-changing route whose path carries a value (a blob's digest)."""
+    return "upload" if path.startswith("/api/blobs/") else path
+
+
 def register(app, core, settings, *, openai=None) -> None:
     """Add Ollama's routes to the HTTP door's FastAPI ``app``; ``openai``: the OpenAI door whose
     ``chat_dict``/``completion_dict`` answer generation. Imported here, not at the top: the
