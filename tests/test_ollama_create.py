@@ -31,6 +31,44 @@ SYSTEM = "You write one short line."
 QUESTION = [{"role": "user", "content": "Describe the sea."}]
 
 
+def _upload(blobs, content: bytes, *, declared: bool = True, digest: str | None = None) -> bool:
+    async def chunks():
+        for i in range(0, len(content), 7):
+            yield content[i:i + 7]
+    digest = digest or "sha256:" + hashlib.sha256(content).hexdigest()
+    return asyncio.run(blobs.write(digest, chunks(), len(content) if declared else None))
+
+
+def test_blob_bounds_quota_and_free_disk_refuse_and_leave_nothing(tmp_path, monkeypatch):
+    from loractl.errors import DiskFull, InvalidRequest
+    from loractld.store import blobs as blobs_module
+    from loractld.store.blobs import Blobs
+
+    monkeypatch.setattr(blobs_module, "FLUSH_BYTES", 8)   # the bounds are checked as an undeclared body streams
+    free = {"bytes": 10_000}
+
+    def check_free_space(needed: int) -> None:   # a disk whose free space the writes take
+        if needed > free["bytes"]:
+            raise DiskFull("full", "free some")
+        free["bytes"] -= needed
+    blobs = Blobs(tmp_path, max_blob_bytes=40, quota_bytes=60, check_free_space=check_free_space)
+    assert _upload(blobs, b"a" * 30) and not _upload(blobs, b"a" * 30)   # stored, then already there
+    for content, declared in ((b"b" * 41, True), (b"b" * 41, False), (b"c" * 31, True), (b"c" * 31, False)):
+        with pytest.raises(InvalidRequest):    # one blob past 40 bytes; all past the quota of 60
+            _upload(blobs, content, declared=declared)
+    blobs.remove(["sha256:" + hashlib.sha256(b"a" * 30).hexdigest()])
+    free["bytes"] = 20
+    with pytest.raises(DiskFull):
+        _upload(blobs, b"d" * 30, declared=False)
+    free["bytes"] = 10_000
+    with pytest.raises(InvalidRequest, match="digest"):
+        _upload(blobs, b"e" * 10, digest="sha256:" + "0" * 64)
+    assert sorted(p.name for p in (tmp_path / ".blobs").iterdir()) == []
+    (tmp_path / ".blobs" / ".part-left-by-a-kill").write_bytes(b"x")
+    Blobs(tmp_path, max_blob_bytes=40, quota_bytes=60, check_free_space=check_free_space)
+    assert not list((tmp_path / ".blobs").iterdir())
+
+
 @pytest.fixture(scope="module")
 def created(rig):
     client = ollama.Client(host=rig.http, timeout=300)
