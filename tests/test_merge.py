@@ -289,3 +289,44 @@ def test_a_merge_the_daemon_cannot_hold_is_refused_with_what_fits(rig, served):
     approx = json.loads(rig.ok("merge", "m/big", *sources, "--svd-rank", "4", "--json").stdout)
     assert approx["merge"]["method"] == "svd" and approx["rank"] == 4 and 0 < approx["merge"]["relative_error"] < 1
     assert "approximate: relative error" in rig.ok("show", "m/big").stdout
+
+
+def test_a_modelfile_of_two_weighted_adapters_answers_as_peft_merges_in_every_door(rig, served, demo, tmp_path):
+    """Issue 47's "done when": a Modelfile with two weighted ADAPTER lines, a system prompt and
+    parameters is one name that the socket, an OpenAI client's request and Ollama's chat answer
+    with — exactly as PEFT's cat merge of the same adapters, under the same system prompt."""
+    import asyncio
+
+    import httpx
+    import ollama
+
+    from conftest import collect
+
+    weights = MERGES["m/two"]
+    system = "You finish the user's sentence."
+    modelfile = tmp_path / "Modelfile"
+    base = json.loads(rig.ok("status", "--json").stdout)["engine"]["model_arg"]
+    modelfile.write_text("\n".join([f"FROM {base}", *(f"ADAPTER {n}={w}" for n, w in weights.items()),
+                                    f'SYSTEM """{system}"""', "PARAMETER temperature 0",
+                                    f"PARAMETER num_predict {NEW_TOKENS}", ""]))
+    rig.ok("create", "mixed", "-f", str(modelfile))
+    question = [{"role": "user", "content": PROMPT}]
+
+    async def grpc(**extra) -> dict:
+        async with rig.daemon.client() as client:
+            return await collect(client, messages=question, lora="mixed", **extra)
+    exact = asyncio.run(grpc(min_tokens=NEW_TOKENS, logprobs=0))
+    ids, _ = PeftMerge(demo / "model", served).greedy(weights, exact["prompt_ids"])
+    assert exact["ids"] == ids
+    # The prompt the engine saw is the profile's system prompt and the question, as vLLM renders them.
+    rendered = httpx.post(f"{rig.http}/tokenize", timeout=60, json={
+        "model": "m/plain", "messages": [{"role": "system", "content": system}, *question],
+        "add_generation_prompt": True})
+    assert rendered.status_code == 200 and exact["prompt_ids"] == rendered.json()["tokens"], rendered.text
+    http = httpx.post(f"{rig.http}/v1/chat/completions", timeout=120, json={
+        "model": "mixed", "messages": question, "min_tokens": NEW_TOKENS, "return_token_ids": True})
+    assert http.status_code == 200, http.text
+    assert http.json()["choices"][0]["token_ids"] == ids
+    plain = asyncio.run(grpc())   # the profile's own parameters only
+    said = ollama.Client(host=rig.http, timeout=120).chat(model="mixed", messages=question).message.content
+    assert said == plain["text"]
