@@ -158,7 +158,17 @@ def test_a_new_base_model_and_quantize_are_refused_by_name(created):
     missing = httpx.post(f"{rig.http}/api/create", json={"model": "nope", "adapters": {
         "adapter_config.json": "sha256:" + "1" * 64}})
     assert missing.status_code == 400 and "not uploaded" in missing.json()["error"], missing.text
-    assert "nope:latest" not in {m.model for m in client.list().models}
+    folder = rig.root / "tiny" / "adapters" / SOURCE
+    adapters = {name: client.create_blob(folder / name) for name in ("adapter_config.json",
+                                                                     "adapter_model.safetensors")}
+    go = httpx.post(f"{rig.http}/api/create", json={"model": "nope", "adapters": adapters,
+                                                     "template": "{{ .System }} {{ .Prompt }}"})
+    assert go.status_code == 400 and "Go template" in go.json()["error"], go.text
+    taken = httpx.post(f"{rig.http}/api/create", json={"model": "bard-adapter", "from": "bard"})
+    assert taken.status_code == 400 and "adapter in the store" in taken.json()["error"], taken.text
+    # Refused before anything was installed; the blobs wait for a create that uses them.
+    assert not {"nope:latest", "nope-adapter:latest"} & {m.model for m in client.list().models}
+    assert all(httpx.head(f"{rig.http}/api/blobs/{d}").status_code == 200 for d in adapters.values())
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("curl"),

@@ -36,6 +36,7 @@ from loractld.api.ollama.pulls import progress_line
 from loractld.core import policy
 from loractld.core.profiles import combined
 from loractld.store.blobs import Blobs, blob_hex
+from loractld.store.modelfile import Modelfile
 from loractld.store.peft import CONFIG_FILE
 from loractld.store.sources import ADAPTER_FILES
 from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES
@@ -134,11 +135,11 @@ class CreateDoor:
     # -- create ----------------------------------------------------------------------------
     async def create(self, caller: policy.Caller, req: dict) -> AsyncIterator[dict]:
         """The create's status lines (its refusals before the first: a 4xx, not a 200 with an error line)."""
-        name, base, files = await self._checked(req)
-        return self._create_lines(caller, req, name, base, files)
+        name, modelfile, files = await self._checked(req)
+        return self._create_lines(caller, name, modelfile, files)
 
-    async def _checked(self, req: dict) -> tuple[str, str, dict[str, str]]:
-        """(profile name, its FROM, the adapter's files by blob digest), or a 4xx before any line."""
+    async def _checked(self, req: dict) -> tuple[str, Modelfile, dict[str, str]]:
+        """(profile name, its Modelfile, the adapter's files by blob digest), or a 4xx before any line."""
         model = req.get("model") or req.get("name")
         if not isinstance(model, str) or not model.strip():
             raise refusal("model is required", "Name the model to create.", param="model")
@@ -175,26 +176,32 @@ class CreateDoor:
             raise refusal("from is required", "Name the base model, an adapter or a profile (GET /api/tags).",
                           param="from")
         base = await self._target(source) if source else None
-        return store_name(model), base or self.core.served_model_name, files
+        name = store_name(model)
+        catalog = await self.core._wait_catalog()
+        if await asyncio.to_thread(catalog.store.has, name):
+            raise refusal(f"{model!r} is an adapter in the store", "Create the model under another name (adapters "
+                          "and models made of them share one name space).", param="model")
+        parameters, messages, license = req.get("parameters") or {}, req.get("messages") or [], req.get("license") or []
+        if not isinstance(parameters, dict) or not isinstance(messages, list) or \
+                not all(isinstance(m, dict) for m in messages):
+            raise refusal("parameters must be an object and messages a list of messages",
+                          "Send e.g. {\"parameters\": {\"temperature\": 0}, \"messages\": [{\"role\": \"user\", "
+                          "\"content\": \"...\"}]}.")
+        settings = [f"{key}={v}" for key, value in parameters.items()
+                    for v in (value if isinstance(value, list) else [value])]
+        # The whole Modelfile is checked (template, parameters, messages) before anything is installed.
+        modelfile = combined(base=base or self.core.served_model_name, adapters=[f"{name}-adapter"] if files else [],
+                             system=req.get("system"), template=req.get("template"), parameters=settings,
+                             messages=messages, license=[license] if isinstance(license, str) else list(license))
+        return name, modelfile, files
 
-    async def _create_lines(self, caller: policy.Caller, req: dict, name: str, base: str,
+    async def _create_lines(self, caller: policy.Caller, name: str, modelfile: Modelfile,
                             files: dict[str, str]) -> AsyncIterator[dict]:
         async with policy.authorized(caller, self.core.socket_gid, "create", name,
                                      refusal="create models over HTTP", hint=_HINT):
-            adapters = []
             if files:
-                adapter = f"{name}-adapter"
-                async for line in self._install(adapter, files):
+                async for line in self._install(modelfile.adapters[-1][0], files):
                     yield line
-                adapters.append(adapter)
-            parameters = []
-            for key, value in (req.get("parameters") or {}).items():
-                parameters += [f"{key}={v}" for v in (value if isinstance(value, list) else [value])]
-            license = req.get("license") or []
-            modelfile = combined(base=base, adapters=adapters, system=req.get("system"),
-                                 template=req.get("template"), parameters=parameters,
-                                 messages=list(req.get("messages") or []),
-                                 license=[license] if isinstance(license, str) else list(license))
             yield {"status": "writing manifest"}
             await self.core.create(name, modelfile, caller=caller)
             if files:
