@@ -121,6 +121,8 @@ def test_copy_tags_models_and_show(created):
     assert "lora" in tags["bard:latest"].details.families
     cards = {c["id"]: c for c in httpx.get(f"{rig.http}/v1/models").json()["data"]}
     assert cards["bard"]["parent"] == "bard-adapter" and cards["bard"]["loractl"]["system"] == SYSTEM
+    assert httpx.get(f"{rig.http}/v1/models/bard").json() == cards["bard"]
+    assert cards["bard/copy"]["loractl"]["kind"] == "profile"
     shown = client.show("bard")
     assert shown.modelfile == rig.ok("show", "bard", "--modelfile").stdout
     assert "\nADAPTER bard-adapter\n" in shown.modelfile and f"\nSYSTEM {SYSTEM}\n" in shown.modelfile
