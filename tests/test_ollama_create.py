@@ -56,7 +56,11 @@ def test_blob_bounds_quota_and_free_disk_refuse_and_leave_nothing(tmp_path, monk
     for content, declared in ((b"b" * 41, True), (b"b" * 41, False), (b"c" * 31, True), (b"c" * 31, False)):
         with pytest.raises(InvalidRequest):    # one blob past 40 bytes; all past the quota of 60
             _upload(blobs, content, declared=declared)
-    blobs.remove(["sha256:" + hashlib.sha256(b"a" * 30).hexdigest()])
+    # An upload nobody used for an hour gives its room up when the quota needs it.
+    old = blobs.path("sha256:" + hashlib.sha256(b"a" * 30).hexdigest())
+    os.utime(old, (old.stat().st_atime, old.stat().st_mtime - blobs_module.UNUSED_TTL_S - 1))
+    assert _upload(blobs, b"c" * 31) and not old.exists()
+    blobs.remove(["sha256:" + hashlib.sha256(b"c" * 31).hexdigest()])
     free["bytes"] = 20
     with pytest.raises(DiskFull):
         _upload(blobs, b"d" * 30, declared=False)
@@ -149,6 +153,14 @@ def test_a_blob_with_the_wrong_digest_is_refused_and_leaves_nothing(created):
     assert httpx.head(f"{rig.http}/api/blobs/{real}").status_code == 404
     assert not list(rig.root.rglob(".blobs/.part-*"))
     assert httpx.post(f"{rig.http}/api/blobs/sha256:xyz", content=content).status_code == 400
+    # What a web page may send cross-origin without a preflight is refused, and stores nothing.
+    for kind in ("text/plain", "application/x-www-form-urlencoded"):
+        answer = httpx.post(f"{rig.http}/api/blobs/{real}", content=content, headers={"Content-Type": kind})
+        assert answer.status_code == 415, answer.text
+    assert httpx.head(f"{rig.http}/api/blobs/{real}").status_code == 404
+    assert httpx.post(f"{rig.http}/api/blobs/{real}", content=content,
+                      headers={"Content-Type": "application/octet-stream"}).status_code == 201
+    assert httpx.head(f"{rig.http}/api/blobs/{real}").status_code == 200
 
 
 def test_a_new_base_model_and_quantize_are_refused_by_name(created):

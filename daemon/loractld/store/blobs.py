@@ -14,17 +14,20 @@ Invariants:
 - No upload makes the disk fill: each blob is bounded by ``max_blob_bytes`` (the daemon's
   ``--max-adapter-size``), all blobs together (those stored and those in flight) by
   ``quota_bytes``, and every write first checks that the store's disk keeps its free margin
-  (``Store.check_free_space``).
+  (``Store.check_free_space``). Blobs no create used within ``UNUSED_TTL_S`` are removed
+  when the quota needs their room, and at start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -33,6 +36,7 @@ from loractl.errors import InvalidRequest
 
 BLOBS_DIR = ".blobs"
 FLUSH_BYTES = 4 << 20
+UNUSED_TTL_S = 3600.0   # an upload no create used in this long is given up when its room is wanted
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 
 
@@ -56,6 +60,15 @@ class Blobs:
         self._in_flight: dict[str, int] = {}
         for part in self.root.glob(".part-*"):
             part.unlink(missing_ok=True)
+        self._prune(time.time() - UNUSED_TTL_S)
+
+    def _prune(self, before: float) -> None:
+        """Remove the blobs uploaded before ``before`` that no create used (one that did removed
+        its own): the quota is never held for good by uploads nobody came back for."""
+        for blob in self.root.glob("sha256-*"):
+            with contextlib.suppress(OSError):
+                if blob.stat().st_mtime < before:
+                    blob.unlink()
 
     def path(self, digest: str) -> Path:
         return self.root / f"sha256-{blob_hex(digest)}"
@@ -74,6 +87,8 @@ class Blobs:
                                    "An adapter's file must fit loractld --max-adapter-size.")
             others = sum(v for k, v in self._in_flight.items() if k != key)
             if self.stored_bytes() + others + size > self.quota_bytes:
+                self._prune(time.time() - UNUSED_TTL_S)
+            if self.stored_bytes() + others + size > self.quota_bytes:
                 raise InvalidRequest(f"the uploaded blobs would pass their quota of {self.quota_bytes} bytes",
                                    "Create the model from the blobs sent so far (they are removed once used), "
                                    "or raise loractld --max-adapter-size.")
@@ -85,6 +100,7 @@ class Blobs:
         was stored already (``chunks`` is then not read)."""
         final = self.path(digest)
         if final.is_file():
+            os.utime(final)   # sent again: wanted again (not pruned as unused)
             return False
         key = uuid.uuid4().hex
         part = self.root / f".part-{key}"

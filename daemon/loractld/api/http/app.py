@@ -18,6 +18,8 @@ Invariants:
   never names a folder over HTTP (the core refuses ``allow_folders=False``).
 - A body is read only up to ``max_body_bytes`` (413 past it) and must be declared JSON: a
   browser cannot send that cross-origin without a CORS preflight, which this app never grants.
+  Ollama's blob uploads (raw bytes, bounded by the blobs' own limits) refuse the types a browser
+  sends without a preflight (``api.ollama.create``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 CREATE_FIELDS = {"model", "name", "from", "files", "adapters", "system", "template", "parameters", "messages",
                  "license", "stream", "quantize", "modelfile", "path"}
+_SIMPLE_TYPES = ("text/plain", "multipart/form-data", "application/x-www-form-urlencoded")
 _HINT = ("Send the daemon's API key (--api-key-file), or call as root, the daemon's user or a member of its "
          "socket group (as loractl pull/create would).")
 
@@ -83,6 +84,12 @@ class CreateDoor:
         return Response(status_code=200 if await asyncio.to_thread(blobs.has, f"sha256:{_hex(digest)}") else 404)
 
     async def upload(self, request: Request, caller: policy.Caller, digest: str) -> Response:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind in _SIMPLE_TYPES:
+            # A web page may send these cross-origin without asking (no CORS preflight): a blob is
+            # raw bytes, sent with no type or application/octet-stream, as the ollama client does.
+            raise HttpError(415, f"a blob is not sent as {kind}", "Send the file's bytes with no Content-Type or "
+                            "Content-Type: application/octet-stream.", code="unsupported_media_type")
         blobs = await self.blobs()
         hex_ = _hex(digest)
         declared = request.headers.get("content-length", "")
