@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The step timers are the test suite's hook's (loractld/worker/hooks.py finds it here): on the
-# path before loractld is imported, in this process, which holds the engine.
+# path before loractld is imported; the engine core (a child process) finds it on the same path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hooks_plugin"))
 import _setup  # noqa: E402
 
@@ -104,7 +104,8 @@ async def run(args) -> dict:
             await asyncio.sleep(args.gap)
     stop.set()
     tokens = sum(await asyncio.gather(*tasks))
-    recorded = loractl_test_hooks.step_times()  # the engine runs in this process
+    # The engine core is a child process: its hook's records come back through a worker method.
+    recorded = (await engine._llm.collective_rpc("loractl_hook_report"))[0]
     starts, held = recorded["steps"], recorded["held"]
     engine.shutdown()
 

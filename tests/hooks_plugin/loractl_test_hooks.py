@@ -24,7 +24,8 @@ counts. They do not import loractld: this module is loaded while loractld's hook
   mismatch stands for it). Preflight runs the loader unhooked: these stand for what slips past it.
 - Step timers (``LORACTL_TEST_STEP_TIMES=1``, read when the worker is installed): the start of
   each engine step and how long each preflight utility call held the engine loop, read back with
-  :func:`step_times` in the engine's process (bench/preflight_stall.py).
+  :func:`step_times` in the engine's process, which the daemon's ``loractl_hook_report`` worker
+  method returns (bench/preflight_stall.py).
 """
 
 from __future__ import annotations
@@ -186,6 +187,11 @@ def _timed(fn: Callable, record: Callable[[float, float], None]) -> Callable:
 
     wrapper._loractl_timed = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def report() -> dict[str, list]:
+    """What loractld's ``hooks.report()`` hands on from this process: the step timers."""
+    return step_times()
 
 
 def step_times() -> dict[str, list]:

@@ -352,8 +352,15 @@ def _journal_broken(lora_id: int, error: Exception) -> None:
         pass  # the request then runs on the dummy; it must not end the engine either
 
 
+def loractl_hook_report(self) -> Any:
+    """What the installed hook (``hooks``) reports from the engine's process; None without one.
+    The engine runs in a child process of the daemon: this is how a hook's records get out."""
+    return hooks.report()
+
+
 METHODS = {f.__name__: f for f in (loractl_lora_state, loractl_deactivate, loractl_pin_host, loractl_pin_device,
-                                   loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll)}
+                                   loractl_unpin, loractl_preflight, loractl_preflight_start, loractl_preflight_poll,
+                                   loractl_hook_report)}
 
 
 class WorkerMethods:

@@ -75,3 +75,9 @@ async def reached_async(point: str, *subjects: Any) -> None:
 def wrap(point: str, fn: Callable) -> Callable:
     """``fn``, or the installed hook's wrapper of it (which calls it)."""
     return fn if _hook is None else _hook.wrap(point, fn)
+
+
+def report() -> Any:
+    """What the installed hook reports of this process (its ``report()``), or None: read from
+    the engine's process through the worker method ``loractl_hook_report``."""
+    return getattr(_hook, "report", lambda: None)() if _hook is not None else None
