@@ -30,7 +30,11 @@ from loractl.names import validate_name
 from loractld.events import Event
 from loractld.store.modelfile import Modelfile, adapter_weight, checked_template, openai_fields, parse, refused
 from loractld.store.modelfile import _set_parameter as set_parameter
+from loractld.store.blobs import Blobs, blob_hex  # noqa: F401 - blob_hex: the Ollama door's, from here
+from loractld.store.peft import CONFIG_FILE  # noqa: F401 - the Ollama door's, from here
 from loractld.store.profiles import Profile
+from loractld.store.sources import ADAPTER_FILES  # noqa: F401 - the Ollama door's, from here
+from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES
 from loractld.views import AdapterView, ProfileView, RemovedView
 
 if TYPE_CHECKING:
@@ -86,6 +90,19 @@ def profile_view(profile: Profile) -> AdapterView:
 
 
 class ProfileOps:
+    async def blob_store(self) -> Blobs:
+        """The store's uploaded blobs (Ollama's /api/blobs), opened at the first use: one adapter's
+        weights and its config in flight or waiting for their create, twice over."""
+        blobs = getattr(self, "_blobs", None)
+        if blobs is None:
+            catalog = await self._wait_catalog()
+            limit = catalog.resolver.max_bytes or DEFAULT_MAX_WEIGHTS_BYTES
+            blobs = await asyncio.to_thread(Blobs, catalog.store.root, max_blob_bytes=limit,
+                                            quota_bytes=2 * limit + (1 << 20),
+                                            check_free_space=catalog.store.check_free_space)
+            self._blobs = blobs
+        return blobs
+
     # -- reading --------------------------------------------------------------------------
     def profile_of(self, name: str) -> Profile | None:
         """The profile ``name`` names, from memory (the request path asks this for every name)."""

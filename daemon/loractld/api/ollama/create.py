@@ -34,12 +34,7 @@ from loractld.api.ollama.names import LATEST, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line
 from loractld.core import policy
-from loractld.core.profiles import combined
-from loractld.store.blobs import Blobs, blob_hex
-from loractld.store.modelfile import Modelfile
-from loractld.store.peft import CONFIG_FILE
-from loractld.store.sources import ADAPTER_FILES
-from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES
+from loractld.core.profiles import ADAPTER_FILES, CONFIG_FILE, Blobs, Modelfile, blob_hex, combined
 
 if TYPE_CHECKING:
     from loractld.core import Core
@@ -66,17 +61,9 @@ class CreateDoor:
     def __init__(self, core: Core, body_timeout_s: float) -> None:
         self.core = core
         self.body_timeout_s = body_timeout_s
-        self._blobs: Blobs | None = None
 
     async def blobs(self) -> Blobs:
-        if self._blobs is None:
-            catalog = await self.core._wait_catalog()
-            limit = catalog.resolver.max_bytes or DEFAULT_MAX_WEIGHTS_BYTES
-            # One adapter's weights and its config in flight or waiting for their create, twice over.
-            self._blobs = await asyncio.to_thread(Blobs, catalog.store.root, max_blob_bytes=limit,
-                                                  quota_bytes=2 * limit + (1 << 20),
-                                                  check_free_space=catalog.store.check_free_space)
-        return self._blobs
+        return await self.core.blob_store()
 
     # -- blobs -----------------------------------------------------------------------------
     async def has_blob(self, digest: str) -> Response:
