@@ -32,7 +32,8 @@ RPCS: dict[str, tuple[type, bool]] = {
     "Pull": (pb.PullRequest, True), "List": (pb.ListRequest, False), "Show": (pb.ShowRequest, False),
     "Remove": (pb.RemoveRequest, False), "Load": (pb.LoadRequest, False), "Evict": (pb.EvictRequest, False),
     "Pin": (pb.PinRequest, False), "Unpin": (pb.NameRequest, False), "Events": (pb.EventsRequest, True),
-    "Metrics": (pb.MetricsRequest, False),
+    "Metrics": (pb.MetricsRequest, False), "Create": (pb.CreateRequest, False), "Copy": (pb.CopyRequest, False),
+    "Merge": (pb.MergeRequest, False),
 }
 
 

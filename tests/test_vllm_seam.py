@@ -7,6 +7,7 @@ with that message; and the code touches no private name of vLLM's that the seam 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import os
 import subprocess
@@ -23,6 +24,25 @@ PKG = Path(__file__).resolve().parent.parent / "daemon" / "loractld"
 RANGE = "loractl supports vLLM 0.26 to 0.32"
 
 
+IN_OWN_PROCESS = "LORACTL_SEAM_TEST_IN_OWN_PROCESS"
+
+
+def own_process(test):
+    """Run ``test`` in a pytest process of its own: the vLLM modules it imports pull in
+    setuptools' distutils shim, which refuses to load once another test of the session has
+    imported the standard library's distutils (as tests/test_compat.py found; here in a clean
+    clone's full run). The daemon imports them in a fresh process too."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        if os.environ.get(IN_OWN_PROCESS):
+            return test(*args, **kwargs)
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                 f"{__file__}::{test.__name__}"], env={**os.environ, IN_OWN_PROCESS: "1"},
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return wrapper
+
+
 @pytest.fixture(scope="module")
 def version() -> str:
     import vllm
@@ -30,6 +50,7 @@ def version() -> str:
     return vllm.__version__
 
 
+@own_process
 def test_the_installed_vllm_passes_and_every_entry_resolves(version):
     vllm_seam.check()
     assert [e.dotted for e in vllm_seam.SEAM if vllm_seam._problem(e) is not None] == []
@@ -55,6 +76,7 @@ def _rename(monkeypatch, owner: type, name: str) -> None:
     monkeypatch.setattr(owner, name + "_v2", value, raising=False)
 
 
+@own_process
 def test_a_renamed_patched_method_is_refused_naming_it_with_version_and_range(monkeypatch, version):
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
@@ -64,6 +86,7 @@ def test_a_renamed_patched_method_is_refused_naming_it_with_version_and_range(mo
     assert "is gone" in message and RANGE in message and "read in vLLM 0.32.0" in message
 
 
+@own_process
 def test_a_renamed_module_function_and_a_changed_signature_are_refused(monkeypatch, version):
     import vllm.lora.punica_wrapper.punica_cpu as punica_cpu
     from vllm.v1.worker.gpu_worker import Worker
