@@ -198,7 +198,7 @@ class _Core:
         return {}
 
     async def prepare(self, request):
-        return Prepared(engine=None, adapter=None, name=None, prompt_ids=request.prompt_token_ids,
+        return Prepared(adapter=None, name=None, prompt_ids=request.prompt_token_ids,
                         sampling=request.sampling)
 
     async def run(self, prepared):

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loractl.errors import AdapterNotFound
-from loractld.engine.sampling import Sampling, fitted  # noqa: F401 - the core's doors take it from here
+from loractld.engine.sampling import Sampling
 
 if TYPE_CHECKING:
     from loractld.core.policy import Caller
-    from loractld.engine.client import Engine
     from loractld.store.identity import AdapterRef
     from loractld.store.leases import Lease
 
@@ -41,7 +40,6 @@ class GenerationRequest:
 class Prepared:
     """A checked, tokenized request, ready for :meth:`Core.run`."""
 
-    engine: Engine
     adapter: AdapterRef | None
     name: str | None                # the store name, when the adapter came from the store
     prompt_ids: list[int]

@@ -6,4 +6,4 @@ from loractld.core import policy  # noqa: F401
 from loractld.core.core import Core  # noqa: F401
 from loractld.core.state import Catalog  # noqa: F401
 from loractld.engine.sampling import DEFAULT_MAX_TOKENS, Delta, Sampling, Structured, TokenLogprob  # noqa: F401
-from loractld.generation import GenerationRequest, Prepared, UnknownModel, fitted  # noqa: F401
+from loractld.generation import GenerationRequest, Prepared, UnknownModel  # noqa: F401

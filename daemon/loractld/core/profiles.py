@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -243,8 +244,6 @@ class ProfileOps:
         profile = self.profile_of(request.lora)
         if profile is None:
             return request, {}
-        import dataclasses
-
         sampling = request.sampling
         given = request.given_sampling
         defaults = {f.name: f.default for f in dataclasses.fields(type(sampling))

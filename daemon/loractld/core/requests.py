@@ -135,7 +135,7 @@ class RequestPath:
         messages, the prompt's tokens against the context, the sampling parameters. The prompt is
         rendered and the sampling fields mapped by vLLM's serving classes, as for the HTTP door
         (:mod:`loractld.engine.vllm_requests`): every door's request takes the same path."""
-        engine, _ = await self._wait_engine()
+        await self._wait_engine()
         given = [request.prompt != "", request.prompt_token_ids is not None, request.messages is not None]
         if sum(given) != 1:
             raise InvalidRequest("send exactly one of prompt, prompt token ids or messages")
@@ -158,7 +158,7 @@ class RequestPath:
             if lease is not None:
                 lease.release()
             raise
-        return Prepared(engine, adapter, name, planned.prompt_ids, planned.sampling, lease, planned)
+        return Prepared(adapter, name, planned.prompt_ids, planned.sampling, lease, planned)
 
     async def run(self, prepared: Prepared) -> AsyncIterator[Delta]:
         """Stream a prepared request. Closing or cancelling the iteration aborts it in the engine.
