@@ -143,7 +143,7 @@ def test_config_precedence(tmp_path, monkeypatch):
     assert args.max_loras == 5                                # environment over file
     assert args.max_cpu_loras == 9                            # flag over everything
     assert args.preload == ["a/v1", "b/v1"] and args.kv_cache_memory == 64 << 20 and args.no_prefix_caching
-    assert args.max_lora_rank == 16                           # default
+    assert args.max_lora_rank is None                         # default: from the store at start
 
 
 @pytest.mark.parametrize("content, needle", [

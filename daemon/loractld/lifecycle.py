@@ -42,7 +42,7 @@ from loractld.store.preflight import Preflight
 from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
-from loractld.store import formats
+from loractld.store import formats, rank_limit
 from loractld.store.copies import SNAPSHOT_BUDGET
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
@@ -204,17 +204,21 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
     store.stamp_format()
+    adapters = store.list()
+    limit = rank_limit.from_store(adapters, settings.engine.max_lora_rank)
+    if limit.outlier:
+        _log.warning("%s", limit.outlier)
 
     def validate(folder: Path, force: bool):
-        return validate_adapter(folder, max_lora_rank=settings.engine.max_lora_rank, base_shapes=base.shapes,
+        return validate_adapter(folder, max_lora_rank=limit.rank, base_shapes=base.shapes,
                                 model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes)
 
     preflight = Preflight()
     catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes),
-                      puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight)
-    adapters = store.list()
-    _log.info("store %s: %d adapter(s); base model %s (shapes %s)", store_dir, len(adapters), model,
-              "known" if base.shapes else "unknown")
+                      puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight,
+                      max_lora_rank=limit.rank)
+    _log.info("store %s: %d adapter(s); base model %s (shapes %s); max LoRA rank %d", store_dir, len(adapters), model,
+              "known" if base.shapes else "unknown", limit.rank)
     return catalog
 
 
@@ -356,7 +360,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         await asyncio.to_thread(enginepid.clear_stale, layout.state_dir)  # an orphan of a killed daemon
         core.startup.update("engine", "starting the engine (vLLM)", unit="s",
                             expected_s=last_engine_start(layout.state_dir, model))
-        started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model}))
+        started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model,
+                                                        "max_lora_rank": core.catalog.max_lora_rank}))
         await asyncio.to_thread(enginepid.record, layout.state_dir)
         core.catalog.preflight.attach(started)
         await asyncio.to_thread(refresh_shapes, core.catalog.base_model)  # a Hub model is on disk only now

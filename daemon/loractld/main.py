@@ -91,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=positive_int, default=2, help="adapter slots on the device (default: 2)")
     p.add_argument("--max-cpu-loras", type=positive_int, default=4,
                    help="adapters cached in host RAM (default: 4; at least --max-loras)")
-    p.add_argument("--max-lora-rank", type=positive_int, default=16, help="largest adapter rank (default: 16)")
+    p.add_argument("--max-lora-rank", type=positive_int, default=None,
+                   help="largest adapter rank; every slot is padded to it (default: the installed adapters' largest, "
+                        "at least 16)")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context length (default: the model's own, lowered only to fit the KV cache)")
     p.add_argument("--max-num-seqs", type=positive_int, default=None,
@@ -152,7 +154,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         )
     engine = EngineSettings(
         model=args.model, device=args.device, dtype=args.dtype, max_loras=args.max_loras,
-        max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank, max_model_len=args.max_model_len,
+        max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank or 0, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
         chat_template=_read_template(args.chat_template) if args.chat_template else None,

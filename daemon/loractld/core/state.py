@@ -47,6 +47,8 @@ class Catalog:
     base_model: BaseModel
     preflight: Preflight = field(default_factory=Preflight)
     profiles: Profiles = None   # type: ignore[assignment]  # the store's (set from it)
+    # The engine's rank limit: --max-lora-rank, or chosen from the store at start (store/rank_limit.py).
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.profiles is None:

@@ -52,7 +52,7 @@ class EngineSettings:
     dtype: str = "auto"             # auto -> float32 on CPU, vLLM's choice on CUDA
     max_loras: int = 2              # device slots
     max_cpu_loras: int = 4          # host cache entries
-    max_lora_rank: int = 16
+    max_lora_rank: int = 16         # the daemon passes 0 for "from the store" and resolves it before start
     # None: the model's own context length, lowered by vLLM only as far as the KV cache needs
     # (a fixed default killed the engine on a 512-token model and capped 128k models at 1k).
     max_model_len: int | None = None
