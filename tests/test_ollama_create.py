@@ -207,6 +207,29 @@ def test_a_keyless_stranger_may_not_upload_create_or_copy(created, tmp_path):
     assert "stranger:latest" not in {m.model for m in client.list().models}
 
 
+def test_a_create_that_fails_after_its_blobs_were_installed_leaves_no_adapter(created):
+    """The blobs' adapter is installed as <model>-adapter before the profile is made; when the
+    profile then fails (FROM a profile whose adapter was removed since: its merge finds no
+    source), that adapter is removed again and the blobs wait for another create."""
+    rig, client = created
+    rig.ok("cp", "bard-adapter", "fleeting/v1")
+    rig.ok("create", "orphan", "--from", "fleeting/v1")
+    rig.ok("rm", "fleeting/v1", "--force")
+    folder = rig.root / "tiny" / "adapters" / SOURCE
+    adapters = {name: client.create_blob(folder / name) for name in ("adapter_config.json",
+                                                                     "adapter_model.safetensors")}
+    with httpx.stream("POST", f"{rig.http}/api/create", json={"model": "late", "from": "orphan",
+                                                              "adapters": adapters}, timeout=300) as answer:
+        lines = [json.loads(line) for line in answer.iter_lines() if line.strip()]
+    assert answer.status_code == 200 and "fleeting/v1" in lines[-1].get("error", ""), lines
+    assert any(line.get("status", "").startswith("using existing layer") for line in lines), lines
+    listed = {a["name"] for a in json.loads(rig.ok("ls", "--json").stdout)}
+    assert not {"late", "late-adapter", "late-merged"} & listed, listed
+    assert rig.cli("show", "late-adapter").returncode != 0
+    assert all(httpx.head(f"{rig.http}/api/blobs/{d}").status_code == 200 for d in adapters.values())
+    rig.ok("rm", "orphan")
+
+
 def test_the_profile_survives_a_restart(created):
     rig, _ = created
     before = _plain(rig)["text"]

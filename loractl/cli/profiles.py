@@ -1,12 +1,21 @@
 """Profiles: ``loractl create`` (from a Modelfile and/or flags) and ``loractl cp``.
 
-The CLI parses nothing of a Modelfile: it sends the file's text and the flags, and the daemon
-reads both (``loractld/store/modelfile.py``), refusing a line it cannot honour by its number.
+The CLI sends the Modelfile's text and the flags, and the daemon reads both
+(``loractld/store/modelfile.py``), refusing a line it cannot honour by its number. The one thing
+the CLI changes first is an ``ADAPTER`` that names a folder by a relative path: the daemon
+cannot know the caller's folders, so ``./x``, ``../x``, ``~/x`` (and an existing folder that is
+no stored adapter's name) become absolute, against the Modelfile's folder (as Ollama resolves
+them) or, for ``--adapter``, the working folder (as ``loractl pull`` does). Each line keeps its
+number, so the daemon's refusals still name the line the user wrote.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +23,7 @@ import typer
 
 from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, print_json, stdout, with_client
 from loractl.cli._complete import adapter_names
-from loractl.errors import InvalidRequest
+from loractl.errors import AdapterNotFound, InvalidRequest
 from loractl.cli._output import fail
 from loractl.cli.listing import describe
 
@@ -70,15 +79,74 @@ def create(
         if not sep:
             raise fail(InvalidRequest(f"--param {item!r} is not NAME=VALUE", "Write e.g. --param temperature=0."))
         params.setdefault(key.strip(), []).append(value)
-    reply = with_client(socket, home, lambda client: client.create(
-        name, text, base=base or "", adapters=adapter or [], system=system, template=template_text,
-        parameters=params))
+    modelfile_dir = Path(file).parent.absolute() if file not in (None, "-") else Path.cwd()
+
+    async def body(client):
+        async def stored(value: str) -> bool:
+            try:
+                await client.show(value)
+                return True
+            except (AdapterNotFound, InvalidRequest):
+                return False
+        sent = await absolute_adapters(text, modelfile_dir, stored)
+        flags = [await _absolute(a, Path.cwd(), stored) for a in adapter or []]
+        return await client.create(name, sent, base=base or "", adapters=flags, system=system,
+                                   template=template_text, parameters=params)
+    reply = with_client(socket, home, body)
     if json_output:
         print_json(reply)
     else:
         profile = reply.get("profile") or {}
         runs = profile.get("adapter") or "the base model"
         stdout.print(f"created {reply['name']}: runs {runs}" + (f" ({describe(profile)})" if describe(profile) else ""))
+
+
+_ADAPTER_LINE = re.compile(r"^(\s*adapter\s+)(.*?)(\s*)$", re.IGNORECASE)
+
+
+async def absolute_adapters(text: str, base: Path, stored: Callable[[str], Awaitable[bool]]) -> str:
+    """``text`` with each ADAPTER line's relative folder made absolute against ``base`` (lines
+    inside a \"\"\" string are text, not instructions; every line keeps its number)."""
+    out, in_text = [], False
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        match = None if in_text else _ADAPTER_LINE.match(body)
+        if match:
+            body = match[1] + await _absolute(match[2], base, stored) + match[3]
+        if body.count('"""') % 2:
+            in_text = not in_text
+        out.append(body + line[len(line.rstrip("\r\n")):])
+    return "".join(out)
+
+
+async def _absolute(argument: str, base: Path, stored: Callable[[str], Awaitable[bool]]) -> str:
+    """One ADAPTER argument (``VALUE[=WEIGHT]``, maybe "quoted") with a relative folder made
+    absolute; a stored name, a Hub ref or an absolute path is left as it is (a stored name wins)."""
+    from loractl.client import local_folder  # here, not at import: `loractl --help` needs no gRPC
+
+    quoted = len(argument) >= 2 and argument[0] == argument[-1] == '"' and not argument.startswith('"""')
+    value = re.sub(r'\\(["\\])', r"\1", argument[1:-1]) if quoted else argument
+    path, sep, weight = value.rpartition("=")
+    if not sep or not _is_number(weight):
+        path, sep, weight = value, "", ""
+    # Joined and cleaned as Ollama's filepath.Join(dir of the Modelfile, path) does.
+    if path.startswith(("./", "../")) or path in (".", ".."):
+        folder = local_folder(os.path.normpath(os.path.join(base, path)))
+    elif path.startswith("~"):
+        folder = local_folder(path)
+    elif path and not os.path.isabs(path) and os.path.isdir(base / path) and not await stored(path):
+        folder = local_folder(os.path.normpath(os.path.join(base, path)))
+    else:
+        return argument
+    new = f"{folder}{sep}{weight}"
+    return '"' + new.replace("\\", "\\\\").replace('"', '\\"') + '"' if quoted else new
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def cp(

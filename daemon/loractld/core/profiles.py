@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from loractl.errors import AdapterNotFound, InvalidRequest
 from loractl.names import validate_name
+from loractld.core.profile_sources import sourced
 from loractld.events import Event
 from loractld.store.modelfile import Modelfile, adapter_weight, checked_template, openai_fields, parse, refused
 from loractld.store.modelfile import _set_parameter as set_parameter
@@ -123,7 +124,12 @@ class ProfileOps:
 
     # -- writing --------------------------------------------------------------------------
     async def create(self, name: str, modelfile: Modelfile, *, caller=None) -> AdapterView:
-        """Make (or replace) the profile ``name`` from ``modelfile`` (see the module's invariants)."""
+        """Make (or replace) the profile ``name`` from ``modelfile`` (see the module's invariants),
+        its ADAPTER folders and Hub refs pulled first, and removed again if it fails (core/profile_sources.py)."""
+        async with sourced(self, name, modelfile, caller) as modelfile:
+            return await self._create_profile(name, modelfile, caller=caller)
+
+    async def _create_profile(self, name: str, modelfile: Modelfile, *, caller=None) -> AdapterView:
         catalog = await self._wait_catalog()
         validate_name(name)
         if await asyncio.to_thread(catalog.store.has, name):

@@ -56,6 +56,8 @@ class Modelfile:
     parameters: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] = field(default_factory=list)
     license: list[str] = field(default_factory=list)
+    # Each ADAPTER line's number, for refusals that name it (core/profile_sources.py); not content.
+    adapter_lines: list[int] = field(default_factory=list, compare=False, repr=False)
 
 
 def refused(line: int, message: str, hint: str) -> InvalidRequest:
@@ -93,6 +95,7 @@ def parse(text: str, *, require_from: bool = True) -> Modelfile:
             result.base = value.strip()
         elif word == "ADAPTER":
             result.adapters.append(adapter_weight(value.strip(), line))
+            result.adapter_lines.append(line)
         elif word == "SYSTEM":
             result.system = value
         elif word == "TEMPLATE":

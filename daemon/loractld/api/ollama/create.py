@@ -6,7 +6,8 @@ way of making a model, as loractl's profiles (``core.profiles``).
 - create: ``from`` (the base model, a stored adapter or a profile), ``adapters`` (a PEFT
   adapter's files, ``adapter_config.json`` and ``adapter_model.safetensors``, by blob digest:
   assembled into a folder and pulled from it as ``loractl pull FOLDER`` does — validated, loaded
-  once by the engine's own loader — under the name ``<model>-adapter``), ``system``,
+  once by the engine's own loader — under the name ``<model>-adapter``, and removed again when
+  the create then fails: a refused create leaves no adapter behind), ``system``,
   ``template`` (Jinja), ``parameters``, ``messages``, ``license``: one profile, as ``loractl
   create`` makes it. Its status lines are Ollama's (``using existing layer sha256:...``, ...,
   ``writing manifest``, ``success``). ``quantize`` and ``files`` (a GGUF or safetensors base
@@ -34,6 +35,7 @@ from loractld.api.ollama.names import LATEST, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line
 from loractld.core import policy
+from loractld.core.profile_sources import CreatePulls, undone_on_failure
 from loractld.core.profiles import ADAPTER_FILES, CONFIG_FILE, Blobs, Modelfile, blob_hex, combined
 
 if TYPE_CHECKING:
@@ -193,24 +195,27 @@ class CreateDoor:
                             files: dict[str, str]) -> AsyncIterator[dict]:
         async with policy.authorized(caller, self.core.socket_gid, "create", name,
                                      refusal="create models over HTTP", hint=_HINT):
-            if files:
-                async for line in self._install(modelfile.adapters[-1][0], files):
-                    yield line
-            yield {"status": "writing manifest"}
-            await self.core.create(name, modelfile, caller=caller)
+            # The create that fails after the blobs' adapter was installed takes it back out.
+            async with undone_on_failure(self.core) as pulls:
+                if files:
+                    async for line in self._install(pulls, modelfile.adapters[-1][0], files):
+                        yield line
+                yield {"status": "writing manifest"}
+                await self.core.create(name, modelfile, caller=caller)
             if files:
                 blobs = await self.blobs()
                 await asyncio.to_thread(blobs.remove, list(files.values()))   # their content is in the store now
         yield {"status": "success"}
 
-    async def _install(self, adapter: str, files: dict[str, str]) -> AsyncIterator[dict]:
-        """Pull the adapter assembled from ``files``' blobs, as ``loractl pull FOLDER`` would."""
+    async def _install(self, pulls: CreatePulls, adapter: str, files: dict[str, str]) -> AsyncIterator[dict]:
+        """Pull the adapter assembled from ``files``' blobs, as ``loractl pull FOLDER`` would
+        (by ``pulls``: removed again if the create then fails)."""
         blobs = await self.blobs()
         for file, digest in files.items():
             yield {"status": f"using existing layer sha256:{_hex(digest)}", "digest": digest}
         folder = await asyncio.to_thread(blobs.assemble, files)
         try:
-            async with contextlib.aclosing(self.core.pull(str(folder), name=adapter)) as events:
+            async with contextlib.aclosing(pulls.pull(str(folder), adapter)) as events:
                 async for event in events:
                     line = progress_line(event.stage, event.file, event.done, event.total)
                     if line is not None and line["status"] not in ("success", "writing manifest"):

@@ -1,0 +1,185 @@
+"""Where a profile's adapters come from: a Modelfile's ``ADAPTER`` (and ``loractl create
+--adapter``, Ollama's ``/api/create`` blobs) names a stored adapter, a folder or a Hub ref, and
+what a create pulls for it is pulled as ``loractl pull`` pulls it — and removed again when the
+create fails.
+
+The rule, for each ADAPTER value (its weight already split off by the parser):
+
+1. a stored adapter's name wins (``sql-expert/v1``);
+2. otherwise an absolute folder (``/abs/folder``, ``file:///abs/folder``) is pulled as a folder;
+   the CLI sends relative ones (``./x``, ``../x``, ``~/x``, or an existing folder that is no
+   stored name) made absolute against the Modelfile's folder, as Ollama resolves them. A
+   relative path that still reaches the daemon is refused: the daemon's working folder and home
+   mean nothing to the caller;
+3. otherwise a ref an adapter source understands (``org/repo``, ``hf://org/repo@rev/sub``, a
+   plugin's) is pulled from there, with the daemon's ``HF_ENDPOINT``/``HF_TOKEN``.
+
+Invariants:
+- A pulled source is stored under a name derived from the profile's: ``<profile>-adapter``,
+  then ``-adapter-2``, ``-adapter-3``, ...; a name already stored from the same place (a create
+  of the same Modelfile again) is pulled into again (up to date, or its new revision), any other
+  stored name is skipped. The profile names the stored name (``show``, ``show --modelfile``), so
+  its Modelfile recreates it without pulling.
+- A pull is the store's own (``Core.pull``: verified, validated, preflighted, installed
+  atomically, announced) under the pull's rule: a door that authorized the create passes no
+  caller (gRPC's ``@mutating``); with a caller each pull is authorized and audited as ``pull``.
+- Nothing is left behind: when the create fails or is cancelled after a pull, every name it
+  installed that was not stored before is removed again (:meth:`CreatePulls.undo`). A name that
+  was stored before keeps what the pull made of it (a new revision cannot be taken back).
+- A refusal names the Modelfile's line (``Modelfile line N: ADAPTER '...': ...``) and keeps the
+  error's kind and hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loractl.errors import InvalidRequest, LoractlError
+from loractl.names import validate_name
+from loractld.core import policy
+from loractld.store.modelfile import Modelfile, refused
+from loractld.store.sources import parse_hub_ref, pick_source
+
+if TYPE_CHECKING:
+    from loractld.store.pulls import PullEvent
+
+# ``core`` below is the daemon's Core (a ProfileOps): not imported, since Core's own module
+# imports this one through core/profiles.py.
+
+_log = logging.getLogger("loractld.core")
+SUFFIX = "-adapter"
+_RELATIVE = ("./", "../", "~")
+
+
+class CreatePulls:
+    """The adapters one create pulls, and the names it installed new (removed by :meth:`undo`)."""
+
+    def __init__(self, core, caller: policy.Caller | None) -> None:
+        self.core = core
+        self.caller = caller
+        self.new: list[str] = []
+
+    async def pull(self, ref: str, name: str) -> AsyncIterator[PullEvent]:
+        """``loractl pull REF --name NAME``'s events, the name recorded when it was not stored."""
+        catalog = await self.core._wait_catalog()
+        if not await asyncio.to_thread(catalog.store.has, name) and name not in self.new:
+            self.new.append(name)   # before the pull: a cancel after its install still undoes it
+        authorized = policy.authorized(self.caller, self.core.socket_gid, "pull", f"{ref} as {name}",
+                                       refusal="pull adapters on this daemon",
+                                       hint="Ask the daemon's owner to pull it, then name it in ADAPTER.") \
+            if self.caller is not None else contextlib.nullcontext()
+        async with authorized:
+            async with contextlib.aclosing(self.core.pull(ref, name=name)) as events:
+                async for event in events:
+                    yield event
+
+    async def undo(self) -> None:
+        """Remove what this create installed new (those names only, newest first)."""
+        catalog = await self.core._wait_catalog()
+        for name in reversed(self.new):
+            if not await asyncio.to_thread(catalog.store.has, name):
+                continue
+            try:
+                await self.core.remove(name, force=True)
+                _log.info("create failed: removed %s, which it had pulled", name)
+            except LoractlError as e:   # logged: the create's own error is what its caller hears
+                _log.warning("create failed, and %s, which it had pulled, could not be removed: %s", name, e.message)
+        self.new.clear()
+
+
+@contextlib.asynccontextmanager
+async def undone_on_failure(core, caller: policy.Caller | None = None) -> AsyncIterator[CreatePulls]:
+    """A :class:`CreatePulls` whose installs are removed again if the body fails or is cancelled."""
+    pulls = CreatePulls(core, caller)
+    try:
+        yield pulls
+    except BaseException:
+        # Shielded: a cancelled create (its caller gone) still takes back what it installed.
+        await asyncio.shield(pulls.undo())
+        raise
+
+
+@contextlib.asynccontextmanager
+async def sourced(core, name: str, modelfile: Modelfile,
+                  caller: policy.Caller | None = None) -> AsyncIterator[Modelfile]:
+    """``modelfile`` with every ADAPTER a stored name (see the module's rule), for the body that
+    makes the profile; what was pulled for it is removed again if that body fails."""
+    validate_name(name)   # the pulled names derive from it: refused before anything is pulled
+    catalog = await core._wait_catalog()
+    await asyncio.to_thread(catalog.profiles.check_writable, name)   # a newer release's profile: left alone
+    lines = getattr(modelfile, "adapter_lines", [])
+    async with undone_on_failure(core, caller) as pulls:
+        adapters: list[tuple[str, float]] = []
+        for index, (value, weight) in enumerate(modelfile.adapters):
+            line = lines[index] if index < len(lines) else 0
+            stored = await _stored(core, pulls, name, value, line, [n for n, _ in adapters])
+            adapters.append((stored, weight))
+        yield dataclasses.replace(modelfile, adapters=adapters)
+
+
+async def _stored(core, pulls: CreatePulls, profile: str, value: str, line: int, taken: list[str]) -> str:
+    """The stored name ``value`` stands for, pulled first when it is a folder or a ref."""
+    catalog = await core._wait_catalog()
+    if await asyncio.to_thread(catalog.store.has, value):
+        return value
+    if value.startswith(_RELATIVE) or value in (".", ".."):
+        raise refused(line, f"ADAPTER {value!r} is a relative path, which the daemon cannot resolve",
+                      "Give the folder's absolute path (loractl create -f makes a Modelfile's relative paths "
+                      "absolute against the Modelfile's folder).")
+    try:
+        source = pick_source(catalog.puller.sources, value)
+        canonical = _canonical(source.name, value)
+    except InvalidRequest:
+        raise refused(line, f"ADAPTER {value!r} is neither a stored adapter, a folder nor a Hub ref",
+                      "Name a stored adapter (loractl ls), an adapter folder (./my-adapter) or a Hub repo "
+                      "(org/repo, hf://org/repo@rev/sub).") from None
+    target = await asyncio.to_thread(_name_for, catalog.store, profile, canonical, taken)
+    try:
+        async for _ in pulls.pull(value, target):
+            pass
+    except LoractlError as e:
+        raise _at_line(e, line, value) from e
+    return target
+
+
+def _canonical(source: str, ref: str) -> str:
+    """The ``ref`` a pull of ``ref`` records in its manifest (what "pulled from the same place" compares)."""
+    if source == "local":
+        return str(Path(ref.removeprefix("file://")))
+    if source == "hf":
+        repo, _, sub = parse_hub_ref(ref)
+        return f"hf://{repo}/{sub}" if sub else f"hf://{repo}"
+    return ref
+
+
+def _name_for(store, profile: str, canonical: str, taken: list[str]) -> str:
+    """The first of ``<profile>-adapter``, ``-adapter-2``, ... that is free or holds ``canonical``'s pull."""
+    index = 1
+    while True:
+        candidate = validate_name(f"{profile}{SUFFIX}" + (f"-{index}" if index > 1 else ""))
+        index += 1
+        if candidate in taken:
+            continue
+        if not store.has(candidate):
+            return candidate
+        try:
+            if store.get(candidate).manifest.get("ref") == canonical:
+                return candidate
+        except LoractlError:   # a damaged adapter under that name: not ours to pull into
+            continue
+
+
+def _at_line(error: LoractlError, line: int, value: str) -> LoractlError:
+    """``error`` (same kind and hint) naming the Modelfile's line and the ADAPTER value."""
+    where = f"Modelfile line {line}: " if line else ""
+    named = copy.copy(error)
+    named.message = f"{where}ADAPTER {value!r}: {error.message}"
+    named.args = (named.message,)
+    return named
