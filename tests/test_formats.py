@@ -6,6 +6,7 @@ at start by name, and not one byte of it changes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, adapter_folder, run_cli, start_daemon, sub_home
+from conftest import BIN, adapter_folder, collect, run_cli, start_daemon, sub_home
 from test_errors import assert_one_error, short_dir  # noqa: F401 - a fixture
 
 from loractl import registry
@@ -102,3 +103,62 @@ def test_registry_entries_carry_a_format_and_a_newer_one_is_skipped_not_deleted(
         handle._write()
         assert registry.ServiceDiscovery(tmp_path).list_instances("loractl", "loractld") == []
         assert entry.exists()
+
+
+PROFILES = Path(__file__).resolve().parent / "fixtures" / "profiles-v1"
+SQL_SYSTEM = "You answer in SQL only."
+SQL_SHOTS = [{"role": "user", "content": "Count the customers."},
+             {"role": "assistant", "content": "SELECT COUNT(*) FROM customers;"}]
+ASKED = [{"role": "user", "content": "List the ten newest orders."}]
+
+
+def _answer(daemon, lora: str, messages: list[dict], **sampling) -> tuple[list[int], str]:
+    async def go():
+        async with daemon.client() as client:
+            return await collect(client, messages=messages, lora=lora, **sampling)
+    result = asyncio.run(go())
+    return result["ids"], result["text"]
+
+
+def test_profiles_written_by_0_1_0_are_served_and_a_newer_profile_is_skipped_and_named(home, demo):
+    """tests/fixtures/profiles-v1 (README there): its two profiles answer as they were made, show
+    --modelfile gives the text they were stored with, and not one file of it changes. A profile
+    file of a newer format is skipped and named (the others are served; the registry does the
+    same with a newer entry), a create onto its name is refused by name, and it is left as it is."""
+    root = sub_home(home, "profiles-v1")
+    shutil.copytree(PROFILES / "adapters", root / "adapters", symlinks=True)
+    future = root / "adapters" / ".profiles" / "future.json"
+    future_doc = {**json.loads((PROFILES / "adapters" / ".profiles" / "blend.json").read_text()),
+                  "format": 2, "name": "future", "what-format-2-adds": {"x": 1}}
+    future.write_text(json.dumps(future_doc))
+    future_bytes = future.read_bytes()
+    daemon = start_daemon(root)
+    try:
+        sock = ("--socket", str(daemon.socket))
+        listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", *sock).stdout)}
+        assert {"sql-expert/v1", "poet/v1", "mix/v1", "blend-merged", "sql-assistant", "blend"} == set(listed)
+        # The single-adapter profile answers as the plain request carrying what it adds.
+        plain = _answer(daemon, "sql-expert/v1", [{"role": "system", "content": SQL_SYSTEM}, *SQL_SHOTS, *ASKED],
+                        temperature=0.0, max_tokens=12, repetition_penalty=1.15, stop=[";"])
+        assert plain[0] and _answer(daemon, "sql-assistant", ASKED) == plain
+        # The weighted one answers as the stored merged adapter of the same sources and weights.
+        merged = _answer(daemon, "mix/v1", ASKED, temperature=0.0, max_tokens=8)
+        assert len(merged[0]) == 8 and _answer(daemon, "blend", ASKED) == merged
+        assert merged != _answer(daemon, "sql-expert/v1", ASKED, temperature=0.0, max_tokens=8)
+        for name in ("sql-assistant", "blend"):
+            shown = run_cli("show", name, "--modelfile", *sock)
+            stored = json.loads((PROFILES / "adapters" / ".profiles" / f"{name}.json").read_text())["modelfile"]
+            assert shown.returncode == 0 and shown.stdout == stored, shown.stderr
+        # The newer profile: named in the log, not served, its name refused to a create.
+        assert "profile future" in daemon.log.read_text() and "is format 2, written by a newer loractl" in \
+            daemon.log.read_text(), daemon.log_tail()
+        clash = run_cli("create", "future", "--from", "sql-expert/v1", *sock)
+        assert_one_error(clash, 2, "profile 'future' was written by a newer loractl (format 2)",
+                         "reads format 1 and older")
+        assert run_cli("rm", "future", *sock).returncode != 0
+    finally:
+        assert daemon.stop() == 0, daemon.log_tail()
+    after = tree(root / "adapters")
+    for path, content in tree(PROFILES / "adapters").items():
+        assert after.get(path) == content, path
+    assert future.read_bytes() == future_bytes

@@ -5,7 +5,9 @@
   written before formats were numbered has none and is format 1, the layout this release
   writes (``loractld/store/disk.py``). Each manifest a pull writes carries ``format`` too.
 - Each profile (``<store>/.profiles/<name>.json``, ``loractld/store/profiles.py``) carries
-  ``format``; a profile of a newer format is skipped with a warning, never misread.
+  ``format``; a profile of a newer format is skipped with a warning that names it, never
+  misread, overwritten or deleted (a create onto its name is refused by name), while the other
+  profiles are served: unlike the store and the pins, it is one model among many.
 - The pins (``<state>/state.json``) carry ``format``; a file without one is format 1.
 - The service registry's entries carry ``format`` (``loractl/registry.py``), and readers skip an
   entry of a newer format instead of misreading it.
@@ -16,7 +18,8 @@ Invariants:
   this release reads is refused by name (:class:`NewerFormat`: what, where, which format, which
   this daemon reads) and nothing is rewritten, moved or removed.
 - Formats only grow; a release that changes a layout bumps its number and keeps reading every
-  older one (``tests/fixtures/store-v1`` is a store this release wrote, read by every later one).
+  older one (``tests/fixtures/store-v1`` is a store this release wrote, read by every later one;
+  ``tests/fixtures/profiles-v1`` likewise for profiles and merged adapters).
 """
 
 from __future__ import annotations
