@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Open WebUI in headless Chromium against loractld's Ollama API (issue 39, item 5): the model
-# picker lists the adapters, sql-expert:v1 answers in SQL, pirate:v1 like a pirate. Writes
+# picker lists the adapters and a profile of two weighted adapters (issue 47, made with loractl
+# create first), sql-expert:v1 answers in SQL, pirate:v1 like a pirate, the profile exactly as
+# loractl run --lora sql-pirate does. Writes
 # screenshots (default .cache/webui-check/shots) and exits non-zero on a failure. Arguments go
 # to scripts/webui_check.py (--url URL uses a running daemon, --out DIR, --help).
 #
-# Installs what is missing first: the daemon's venv (scripts/setup.sh main), Debian's chromium
+# Installs what is missing first: the daemon's venv (scripts/setup.sh main; LORACTL_BIN=DIR uses
+# the loractl and loractld in DIR instead, and skips it), Debian's chromium
 # and chromium-driver (as root, with apt-get), and Open WebUI with Selenium in .venv-webui
 # (about 2.9 GiB; a few minutes). Not part of the test suite: see README, "Ollama's API".
 set -euo pipefail
