@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 import peft_corpus
+from support_merges import MERGES, NEW_TOKENS, PROMPT, SERVED, PeftMerge, pull_sources
 
 TOLERANCE = 1e-5
 SOURCES = {   # PEFT configs on the tiny model; weights from a fixed seed (peft_corpus.build)
-    "plain": peft_corpus.Case("merge-plain", lambda: peft_corpus._lora()),
-    "rslora": peft_corpus.Case("merge-rslora", lambda: peft_corpus._lora(use_rslora=True, r=4, lora_alpha=6,
-                                                                          target_modules=["q_proj", "v_proj"])),
+    "plain": SERVED["m/plain"],
+    "rslora": SERVED["m/rslora"],
     "patterns": peft_corpus.Case("merge-patterns", lambda: peft_corpus._lora(
         r=2, rank_pattern={"o_proj": 4}, alpha_pattern={"v_proj": 7}, target_modules=["v_proj", "o_proj", "up_proj"])),
     "layer1": peft_corpus.Case("merge-layer1", lambda: peft_corpus._lora(layers_to_transform=[1], r=2, lora_alpha=3)),
@@ -167,59 +167,10 @@ def test_a_rank_sum_above_the_limit_says_what_would_fit(made, tmp_path):
 
 
 # -- through the daemon: the socket (CLI, Client) and the HTTP door ------------------------------
-PROMPT = "the quick brown fox jumps over the lazy dog"
-NEW_TOKENS = 8
-SERVED = {   # PEFT's cat merge needs each adapter's rank uniform (it sums config.r): no rank_pattern here
-    "m/plain": SOURCES["plain"],
-    "m/rslora": SOURCES["rslora"],
-    "m/alpha": peft_corpus.Case("merge-alpha", lambda: peft_corpus._lora(
-        r=2, alpha_pattern={"v_proj": 7}, target_modules=["v_proj", "o_proj", "up_proj"])),
-}
-MERGES = {"m/two": {"m/plain": 0.7, "m/rslora": 0.3},
-          "m/three": {"m/plain": 0.5, "m/rslora": 1.5, "m/alpha": 0.75}}
-
-
 @pytest.fixture(scope="module")
 def served(rig, demo, tmp_path_factory) -> dict[str, Path]:
     """The sources, pulled into the rig."""
-    root = tmp_path_factory.mktemp("merge-served")
-    folders = {}
-    for name, case in SERVED.items():
-        folders[name] = root / name.replace("/", "-")
-        peft_corpus.build(case, demo / "model", folders[name], scale=0.1)
-        rig.ok("pull", str(folders[name]), "--name", name)
-    return folders
-
-
-class PeftMerge:
-    """HF + PEFT in float32 with PEFT's own merge (``add_weighted_adapter``, ``cat``): greedy
-    tokens and the logprob of each."""
-
-    def __init__(self, model_dir: Path, folders: dict[str, Path]) -> None:
-        self.model_dir, self.folders = model_dir, folders
-
-    def greedy(self, weights: dict[str, float], prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-        import torch
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
-
-        names = [n.replace("/", "-") for n in weights]
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        first, *rest = weights
-        model = PeftModel.from_pretrained(model, str(self.folders[first]), adapter_name=names[0])
-        for name, key in zip(rest, names[1:]):
-            model.load_adapter(str(self.folders[name]), adapter_name=key)
-        model.add_weighted_adapter(names, list(weights.values()), "merged", combination_type="cat")
-        model.set_adapter("merged")
-        model.eval()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 do_sample=False)
-            ids = out[0, len(prompt_ids):].tolist()
-            # The raw logits' logprobs, as the engine reports them: generate's scores have EOS
-            # masked by min_new_tokens, which moves every logprob by log(1 - p(EOS)).
-            scores = torch.log_softmax(model(out).logits[0].float(), -1)
-        return ids, [scores[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(ids)]
+    return pull_sources(rig, demo, tmp_path_factory.mktemp("merge-served"))
 
 
 def test_merges_through_the_socket_answer_as_peft_merges(rig, served, demo):

@@ -19,6 +19,10 @@ import typer
 
 from loractl.errors import InvalidRequest
 
+# No default of the CLI's own: the daemon's (0.8) applies, or a profile's (loractl create
+# --param temperature=0) — a value sent always would override the profile's.
+TemperatureOpt = Annotated[float | None, typer.Option(
+    "--temperature", "-t", min=0.0, help="Sampling temperature; 0 is greedy (default: 0.8, or the profile's).")]
 MinPOpt = Annotated[float | None, typer.Option(
     "--min-p", min=0.0, max=1.0, help="Drop tokens less likely than this fraction of the most likely one (0 to 1).")]
 PresencePenaltyOpt = Annotated[float | None, typer.Option(

@@ -90,13 +90,13 @@ def _save_history(readline, history: Path) -> None:
 
 
 def chat(
-    lora: Annotated[str | None, typer.Option("--lora", "-l", help="Adapter to start with (store name or folder).",
+    lora: Annotated[str | None, typer.Option("--lora", "-l", help="Adapter or profile to start with (store name or folder).",
                                              autocompletion=adapter_names)] = None,
     system: Annotated[str | None, typer.Option("--system", help="System prompt.")] = None,
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", "-n", min=1, help="Most tokens per reply (default: 512, fewer where the context ends first).",
     )] = None,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0, help="0 is greedy.")] = 0.8,
+    temperature: opts.TemperatureOpt = None,
     min_p: opts.MinPOpt = None,
     presence_penalty: opts.PresencePenaltyOpt = None,
     frequency_penalty: opts.FrequencyPenaltyOpt = None,

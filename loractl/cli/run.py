@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 LoraOpt = Annotated[
     str | None,
-    typer.Option("--lora", "-l", help="Adapter to answer with: a store name (loractl ls) or a PEFT folder. Default: the base model.",
+    typer.Option("--lora", "-l", help="Adapter or profile to answer with: a store name (loractl ls) or a PEFT folder. "
+                 "Default: the base model.",
                  autocompletion=adapter_names),
 ]
 
@@ -33,8 +34,7 @@ def run(
     max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", "-n", min=1, help="Most tokens to generate (default: 512, fewer where the context ends first).",
     )] = None,
-    temperature: Annotated[float, typer.Option("--temperature", "-t", min=0.0,
-                                               help="Sampling temperature; 0 is greedy.")] = 0.8,
+    temperature: opts.TemperatureOpt = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed, for repeatable samples.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     json_schema: opts.JsonSchemaOpt = None,

@@ -16,6 +16,24 @@ Invariants:
   a request's system message replaces the profile's (as Ollama does); the few-shot messages go
   before the request's; the template is that request's chat template. A profile whose adapter
   name now holds other content than it was made with is refused, never run on the new content.
+
+What of a profile reaches the engine, per door (the same request path: ``apply_profile`` for
+gRPC, ``loractl run/chat``, GenerateMany and Dynamo; ``profile_body`` for the HTTP doors, which
+Ollama's /api/chat and /api/generate go through):
+- a chat (messages: gRPC, /v1/chat/completions, /api/chat, /api/generate) takes all of it: the
+  adapter, the parameters, the system prompt, the few-shot turns and the template; /tokenize
+  with messages renders the same prompt;
+- a raw prompt (gRPC's prompt or token ids, /v1/completions, /api/generate with ``raw``, and the
+  Dynamo door, whose frontend sends token ids it rendered itself) takes the adapter and the
+  parameters only: its text goes to the model as sent, as vLLM's /v1/completions and Ollama's
+  ``raw`` do, so there is no place for a system prompt, turns or a template (Ollama's own
+  /v1/completions renders its template; vLLM's, which loractl serves, never does). Dynamo's
+  frontend renders with the base model's template, so only a profile without SYSTEM, MESSAGE
+  or TEMPLATE lines gets a card there (``api.dynamo.worker``);
+- /v1/responses and Anthropic's /v1/messages take the system prompt as ``instructions`` /
+  ``system`` and the turns before the input, under their own field names (``max_output_tokens``,
+  ``stop_sequences``); a part they have no field for (a template; on /v1/messages a seed, min_p or
+  a penalty) is refused by name, never dropped.
 """
 
 from __future__ import annotations
@@ -30,7 +48,8 @@ from loractl.errors import AdapterNotFound, InvalidRequest
 from loractl.names import validate_name
 from loractld.core.profile_sources import sourced
 from loractld.events import Event
-from loractld.store.modelfile import Modelfile, adapter_weight, checked_template, openai_fields, parse, refused
+from loractld.store.modelfile import (PARAMETERS, Modelfile, adapter_weight, checked_template, openai_fields, parse,
+                                      refused)
 from loractld.store.modelfile import _set_parameter as set_parameter
 from loractld.store.blobs import Blobs, blob_hex  # noqa: F401 - blob_hex: the Ollama door's, from here
 from loractld.store.peft import CONFIG_FILE  # noqa: F401 - the Ollama door's, from here
@@ -269,15 +288,55 @@ class ProfileOps:
                                    messages=self.profiled_messages(profile, request.messages)), extra
 
     def profile_body(self, profile: Profile, route: str, body: dict) -> dict:
-        """An OpenAI door's request ``body`` as ``profile`` makes it: its absent fields from the
-        profile's parameters, its messages with the system prompt and few-shot turns, and the
-        profile's template as its chat template."""
+        """An HTTP door's request ``body`` for ``route`` as ``profile`` makes it (see the module's
+        rule per route): its absent fields from the profile's parameters, under the route's own
+        names; its messages with the system prompt and few-shot turns; the profile's template as
+        its chat template. A profile's value the route has no field for is refused, never dropped."""
         out = dict(body)
-        for field_name, value in openai_fields(profile.parameters).items():
-            if out.get(field_name) is None:
-                out[field_name] = list(value) if field_name == "stop" else value
-        if route == "chat" and isinstance(out.get("messages"), list):
+        if route in ("tokenize", "detokenize"):
+            fields: dict[str, Any] = {}
+        else:
+            fields = openai_fields(profile.parameters)
+        renames = ROUTE_FIELDS.get(route, {})
+        for field_name, value in fields.items():
+            target = renames.get(field_name, field_name)
+            if target is None:
+                ollama_name = next(k for k, (_, f) in PARAMETERS.items() if f == field_name)
+                raise _no_field(profile, route, f"PARAMETER {ollama_name}")
+            if out.get(target) is None:
+                out[target] = list(value) if field_name == "stop" else value
+        if route in ("chat", "tokenize") and isinstance(out.get("messages"), list):
             out["messages"] = self.profiled_messages(profile, out["messages"])
             if profile.template is not None and out.get("chat_template") is None:
                 out["chat_template"] = profile.template
+        elif route in ("responses", "messages"):
+            if profile.template is not None:
+                raise _no_field(profile, route, "TEMPLATE")
+            system = "instructions" if route == "responses" else "system"
+            if out.get(system) is None and profile.system is not None:
+                out[system] = profile.system
+            if profile.messages and not out.get("previous_response_id"):   # a later turn has them already
+                turns = out.get("input" if route == "responses" else "messages")
+                if route == "responses" and isinstance(turns, str):
+                    turns = [{"role": "user", "content": turns}]
+                if not isinstance(turns, list) or (route == "messages" and any(
+                        m.get("role") == "system" for m in profile.messages)):
+                    raise _no_field(profile, route, "MESSAGE")
+                out["input" if route == "responses" else "messages"] = [dict(m) for m in profile.messages] + turns
         return out
+
+
+# A profile's parameter (as an OpenAI chat field) under each route's own name; None: the route
+# has no such field (Anthropic's /v1/messages carries no seed, min_p or penalties).
+ROUTE_FIELDS: dict[str, dict[str, str | None]] = {
+    "responses": {"max_tokens": "max_output_tokens"},
+    "messages": {"stop": "stop_sequences", "seed": None, "min_p": None, "repetition_penalty": None,
+                 "presence_penalty": None, "frequency_penalty": None},
+}
+ROUTE_PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+def _no_field(profile: Profile, route: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"profile {profile.name!r} has a {what} line, which {ROUTE_PATHS.get(route, route)} "
+                          "cannot carry", "Send it to /v1/chat/completions (or Ollama's /api/chat), which takes "
+                          "every part of a profile.")

@@ -188,8 +188,8 @@ class Serving:
         target = model
         if profile is not None:
             # A profile's name: its defaults under the request's own values, its adapter (or the base).
-            body = self.core.profile_body(profile, route, body)
             try:
+                body = self.core.profile_body(profile, route, body)
                 target = await self.core.profile_target(profile)
             except (AdapterNotFound, InvalidRequest) as e:
                 raise from_domain(e, param="model") from e
