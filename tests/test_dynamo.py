@@ -200,6 +200,57 @@ def test_the_dynamo_door_gives_the_grpc_doors_tokens(fleet):
     assert [t for c in chunks for t in c["token_ids"]] == want["ids"] and len(want["ids"]) == MAX_NEW
 
 
+PROFILE = "sql-terse"            # a system prompt: no card (the frontend would render without it)
+GREEDY = "sql-greedy"            # an adapter and parameters: a card
+PROFILE_SYSTEM = "You answer in SQL only."
+QUESTION = [{"role": "user", "content": "List the newest orders."}]
+
+
+@pytest.fixture(scope="module")
+def profiled(fleet) -> dict:
+    """Two profiles on B over its adapter (greedy, MAX_NEW tokens, a penalty), one with a system
+    prompt, and the gRPC door's answer for each; removed at the end, their cards withdrawn."""
+    import asyncio
+
+    from conftest import collect
+
+    b = fleet["b"]
+    params = ("--param", "temperature=0", "--param", f"num_predict={MAX_NEW}", "--param", "repeat_penalty=1.15")
+    for name, extra in ((PROFILE, ("--system", PROFILE_SYSTEM)), (GREEDY, ())):
+        made = b.cli("create", name, "--from", ADAPTER, *extra, *params)
+        assert made.returncode == 0, made.stderr
+
+    async def grpc(**kwargs) -> dict:
+        async with b.daemon.client() as client:
+            return await collect(client, **kwargs)
+    answers = {name: asyncio.run(grpc(messages=QUESTION, lora=name)) for name in (PROFILE, GREEDY)}
+    plain = asyncio.run(grpc(messages=[{"role": "system", "content": PROFILE_SYSTEM}, *QUESTION], lora=ADAPTER,
+                             temperature=0.0, max_tokens=MAX_NEW, repetition_penalty=1.15))
+    want = answers[PROFILE]
+    assert (want["prompt_ids"], want["ids"]) == (plain["prompt_ids"], plain["ids"]) and len(want["ids"]) == MAX_NEW
+    yield answers
+    for name in (PROFILE, GREEDY):
+        assert b.cli("rm", name).returncode == 0
+    wait_for(lambda: GREEDY not in discovery(fleet["kv"]).get(b.instance, set()), what="the profile's card withdrawn")
+
+
+def test_a_profile_through_the_dynamo_door_gives_the_grpc_doors_tokens(fleet, profiled):
+    """The profile's name in routing.lora_name, the prompt's ids and no sampling options: its
+    adapter and parameters (not the model's defaults) answer, as through the socket."""
+    b, want = fleet["b"], profiled[PROFILE]
+    chunks = send(fleet, b, {"token_ids": want["prompt_ids"], "model": PROFILE, "routing": {"lora_name": PROFILE}})
+    assert [t for c in chunks for t in c["token_ids"]] == want["ids"]
+    # The request's own values win over the profile's.
+    chunks = send(fleet, b, {"token_ids": want["prompt_ids"], "routing": {"lora_name": PROFILE},
+                             "stop_conditions": {"max_tokens": 3}})
+    assert [t for c in chunks for t in c["token_ids"]] == want["ids"][:3]
+    # Cards: the frontend renders a LoRA card's prompt with the base model's template, so a
+    # profile with a system prompt gets none (it would answer without it); one without does.
+    wait_for(lambda: GREEDY in discovery(fleet["kv"]).get(b.instance, set()), what="the plain profile's card")
+    assert PROFILE not in discovery(fleet["kv"])[b.instance]
+    assert f"profile {PROFILE} gets no card" in b.daemon.log.read_text()
+
+
 def test_a_request_for_an_adapter_the_worker_lacks_is_refused_with_its_reason(fleet):
     result = subprocess.run([sys.executable, str(CLIENT), "dynamo.loractl.generate", str(fleet["a"].instance),
                              json.dumps({"token_ids": [1, 2, 3], "routing": {"lora_name": ADAPTER},
@@ -366,6 +417,18 @@ def test_the_frontends_options_reach_the_engine_through_the_worker(frontend, dem
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(echo, timeout=60)
     assert refused.value.code == 400 and "prompt_logprobs is not supported" in refused.value.read().decode()
+
+
+def test_the_frontend_answers_a_profile_as_the_socket(fleet, frontend, profiled):
+    """A profile of an adapter and parameters, through the frontend with no options of its own:
+    the socket's prompt and answer (its parameters, not the frontend's or the model's defaults)."""
+    def listed() -> bool:
+        with urllib.request.urlopen(f"{frontend}/v1/models", timeout=5) as response:
+            return GREEDY in {m["id"] for m in json.loads(response.read())["data"]}
+    wait_for(listed, 30, "the frontend to list the profile")
+    answer = _post(f"{frontend}/v1/chat/completions", {"model": GREEDY, "messages": QUESTION})
+    assert answer["usage"]["prompt_tokens"] == len(profiled[GREEDY]["prompt_ids"])
+    assert answer["choices"][0]["message"]["content"] == profiled[GREEDY]["text"]
 
 
 def _reference_logprobs(reference, prompt: list[int], ids: list[int], adapter: Path) -> list[float]:

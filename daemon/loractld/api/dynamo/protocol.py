@@ -126,13 +126,17 @@ def generation_request(request: dict[str, Any], lora: str, defaults: dict) -> Ge
     if isinstance(nvext, dict) and not neutral(nvext.get("cache_salt")):
         raise refused("nvext.cache_salt", "loractl's engine shares its prefix cache between requests",
                       "Leave cache_salt out.")
-    sampling = Sampling(**_from_sampling_options(sampling_options(request), defaults),
-                        **_from_stop_conditions(_section(request, "stop_conditions"), defaults),
+    options, stop = sampling_options(request), _section(request, "stop_conditions")
+    sampling = Sampling(**_from_sampling_options(options, defaults), **_from_stop_conditions(stop, defaults),
                         logprobs=_from_output_options(_section(request, "output_options")))
+    # What the request set itself: a profile's parameters fill the rest (over the model's
+    # defaults, which an unset field takes here and which a profile's value replaces).
+    given = {key for key in (*PLAIN_SAMPLING, "top_k", "seed") if options.get(key) is not None} | \
+        {key for key in ("max_tokens", "min_tokens") if stop.get(key) is not None}
     # allow_folders False: a fleet's clients name stored adapters, never this host's folders.
     # fleet: a fleet's placement may send an adapter this worker never had (loractld --auto-pull).
     return GenerationRequest(prompt_token_ids=token_ids, lora=lora, sampling=sampling, allow_folders=False,
-                             caller=FLEET)
+                             caller=FLEET, given_sampling=frozenset(given))
 
 
 def _from_sampling_options(options: dict[str, Any], defaults: dict) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The Dynamo worker: registration, the cards kept in step with the store, the request handler.
 
 Invariants:
-- The frontend sees a LoRA card for exactly the adapters in the store while the worker is up:
+- The frontend sees a LoRA card for exactly the adapters in the store, and the profiles whose
+  prompt it renders as every other door does (``_unrendered_parts``), while the worker is up:
   the cards are published from the store's listing at start, then follow the core's events
   (DOWNLOADED_TO_DISK publishes, DELETED_FROM_DISK withdraws), subscribed before the listing
   so that no pull or rm in between is missed. Card changes are serialized by one lock.
@@ -113,7 +114,19 @@ class DynamoWorker:
         return config
 
     async def stored_names(self) -> set[str]:
-        return {a.name for a in await self.core.list_adapters()}
+        """The store's adapters and profiles: each a model the frontend may route to."""
+        return {a.name for a in await self.core.list_adapters()} | {p.name for p in await self.core.list_profiles()}
+
+    def _unrendered_parts(self, name: str) -> list[str]:
+        """What of profile ``name`` the frontend's prompt would lack: Dynamo's frontend renders a
+        LoRA card's requests with the base model's template (1.6.1 takes no card's own template,
+        tried with ``custom_template_path``), so a profile's SYSTEM, MESSAGE and TEMPLATE lines
+        cannot reach it. Empty for an adapter, or a profile of an adapter and parameters."""
+        profile = self.core.profile_of(name)
+        if profile is None:
+            return []
+        return [line for line, present in (("SYSTEM", profile.system is not None), ("MESSAGE", bool(profile.messages)),
+                                           ("TEMPLATE", profile.template is not None)) if present]
 
     def lora_id(self, name: str) -> int:
         return self._llm.lora_name_to_id(name)
@@ -121,6 +134,18 @@ class DynamoWorker:
     async def publish(self, name: str) -> None:
         llm = self._llm
         async with self._cards_lock:
+            unrendered = self._unrendered_parts(name)
+            if unrendered:
+                # Never a card that answers without the profile's prompt: withdrawn if it had one
+                # (made again with a system prompt). Requests naming it with their own prompt ids
+                # (routing.lora_name) are still served, with its adapter and parameters.
+                if name in self._cards:
+                    await llm.unregister_model(self.endpoint, lora_name=name)
+                    self._cards.discard(name)
+                _log.warning("dynamo: profile %s gets no card: Dynamo's frontend renders a LoRA model's prompt with "
+                             "the base model's template, without the profile's %s; a profile of an adapter and "
+                             "parameters only is published", name, ", ".join(unrendered))
+                return
             if name in self._cards:
                 return
             # As Dynamo's own vLLM worker registers a card: no model_name (with one, 1.6.1 refused
