@@ -91,6 +91,12 @@ class AdapterView:
     profile: ProfileView | None = None
     merge: MergeView | None = None   # a merged adapter: what it was made of
 
+    def copy(self) -> AdapterView:
+        """A shallow copy (lists shared): a listing's per-ask copy of a view made once."""
+        clone = object.__new__(AdapterView)
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     @classmethod
     def of(cls, adapter: Stored) -> AdapterView:
         m = adapter.manifest

@@ -113,7 +113,93 @@ def cli_errors():
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    sys.stdout.write(dumps_indented(data) + "\n")
+
+
+def dumps_indented(data: Any) -> str:
+    """``json.dumps(data, indent=2, sort_keys=True)``, the same text: the standard library's C
+    encoder does not indent (before 3.14), and its Python one took 0.4 s of ``ls --json`` at
+    10,000 adapters; this one encodes each string and number with the C functions (~2x faster).
+    Anything but str keys and JSON's own types goes to the standard library."""
+    out: list[str] = []
+    try:
+        _emit(data, "\n", out.append)
+    except _NotPlain:
+        pass
+    else:
+        return "".join(out)
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+class _NotPlain(Exception):
+    pass
+
+
+_string = json.encoder.encode_basestring_ascii   # C: what json.dumps uses (ensure_ascii)
+
+
+def _scalar(value: Any) -> str | None:
+    kind = type(value)
+    if kind is str:
+        return _string(value)
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        if value != value:
+            return "NaN"
+        if value in (float("inf"), float("-inf")):
+            return "Infinity" if value > 0 else "-Infinity"
+        return float.__repr__(value)
+    return None
+
+
+def _emit(value: Any, newline: str, put: Callable[[str], Any]) -> None:
+    text = _scalar(value)
+    if text is not None:
+        put(text)
+        return
+    kind = type(value)
+    if kind is dict:
+        if not value:
+            put("{}")
+            return
+        if not all(type(k) is str for k in value):
+            raise _NotPlain   # json.dumps turns other keys into strings, and sorts them as such
+        inner = newline + "  "
+        lead = "{" + inner
+        for key in sorted(value):
+            item = value[key]
+            text = _scalar(item)
+            if text is not None:
+                put(lead + _string(key) + ": " + text)
+            else:
+                put(lead + _string(key) + ": ")
+                _emit(item, inner, put)
+            lead = "," + inner
+        put(newline + "}")
+    elif kind is list or kind is tuple:
+        if not value:
+            put("[]")
+            return
+        inner = newline + "  "
+        lead = "[" + inner
+        for item in value:
+            text = _scalar(item)
+            if text is not None:
+                put(lead + text)
+            else:
+                put(lead)
+                _emit(item, inner, put)
+            lead = "," + inner
+        put(newline + "]")
+    else:
+        raise _NotPlain
 
 
 def human_bytes(n: float) -> str:

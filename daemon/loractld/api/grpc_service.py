@@ -298,11 +298,18 @@ class LoractlService(LoractlBase):
         await stream.send_message(pb.MetricsReply(text=await self.core.metrics_text()))
 
 
+_ADAPTER_FIELDS = tuple(f.name for f in dataclasses.fields(AdapterView))
+
+
 def adapter_message(view: AdapterView) -> pb.Adapter:
-    fields = dataclasses.asdict(view)
-    fields["files"] = [pb.FileRecord(**f) for f in fields["files"]]
+    # Field by field, not dataclasses.asdict (a deep copy): ls of 10,000 adapters spent 0.5 s in it.
+    fields = {name: getattr(view, name) for name in _ADAPTER_FIELDS}   # files: dicts, as FileRecord takes
     profile = fields.pop("profile")
+    merge = fields.pop("merge")
+    if merge is not None:
+        fields["merge"] = dataclasses.asdict(merge)
     if profile is not None:
+        profile = dataclasses.asdict(profile)
         profile["adapters"] = [pb.WeightedAdapter(**a) for a in profile["adapters"]]
         profile["messages"] = [pb.ChatMessage(**m) for m in profile["messages"]]
         fields["profile"] = pb.Profile(**profile)

@@ -64,11 +64,25 @@ class DiskOps:
         await self._after_installs(announce_and_replace())
 
     async def list_adapters(self) -> list[AdapterView]:
+        """Every stored adapter's view. Shared parts (files, target modules) are the listing's
+        own: read them, never change them. An unchanged store costs a check of its stats
+        (``Store.list``), dictionary lookups (``resolve_listed``) and a copy of each adapter's
+        manifest view, made once per store entry (``_manifest_views``)."""
         catalog = await self._wait_catalog()
         adapters = await asyncio.to_thread(catalog.store.list)
-        await asyncio.to_thread(catalog.resolver.warm, [a.name for a in adapters])
+        refs = await asyncio.to_thread(catalog.resolver.resolve_listed, adapters)
         state = await self.tiers.sync() if self.tiers else None
-        return [self._described(catalog, a, state) for a in adapters]
+        known = getattr(self, "_manifest_views", {})
+        views: dict[int, tuple[StoredAdapter, AdapterView]] = {}
+        described = []
+        for a in adapters:
+            held = known.get(id(a))
+            if held is None or held[0] is not a:   # id() is only a key while the object lives: kept in the value
+                held = (a, AdapterView.of(a))
+            views[id(a)] = held
+            described.append(self._described(catalog, a, state, refs.get(a.name), held[1].copy()))
+        self._manifest_views = views   # this listing's entries only: nothing stays for a removed one
+        return described
 
     async def show(self, name: str) -> AdapterView:
         catalog = await self._wait_catalog()

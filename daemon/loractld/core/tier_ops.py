@@ -16,6 +16,7 @@ from loractld.views import AdapterView
 if TYPE_CHECKING:
     from loractld.core.state import Catalog
     from loractld.serving.residency import EngineState
+    from loractld.store.identity import AdapterRef
     from loractld.store.disk import StoredAdapter
 
 
@@ -49,12 +50,18 @@ class TierOps:
         await catalog.preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
 
     # -- helpers --------------------------------------------------------------------------
-    def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None) -> AdapterView:
-        view = AdapterView.of(adapter)
-        try:
-            ref = catalog.resolver.resolve(adapter.name)
-        except LoractlError as e:
-            view.state, view.error = "failed", f"{e.message} ({e.hint})"
+    def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None,
+                   ref: AdapterRef | LoractlError | None = None, view: AdapterView | None = None) -> AdapterView:
+        """``adapter`` as the user sees it; ``ref`` (its resolution, or why it failed) and ``view``
+        (a fresh copy of its manifest's view) when a listing has them already."""
+        view = view or AdapterView.of(adapter)
+        if ref is None:
+            try:
+                ref = catalog.resolver.resolve(adapter.name)
+            except LoractlError as e:
+                ref = e
+        if isinstance(ref, LoractlError):
+            view.state, view.error = "failed", f"{ref.message} ({ref.hint})"
             return view
         refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
         if refused is not None:

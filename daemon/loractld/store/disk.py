@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
 from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key
+from loractld.store import listing
 from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
 
@@ -117,6 +119,11 @@ class Store:
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[tuple, dict] = {}
         self._entries: dict[str, tuple[tuple, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
+        # The last listing, kept while it holds (``list``); every write of this store's bumps the
+        # generation, so a write within one timestamp step of a listing is never missed.
+        self._writes = itertools.count(1)   # next() is atomic: no increment lost to a race
+        self._generation = 0
+        self._listing: tuple[int, listing.Scan, list[StoredAdapter]] | None = None
         self.lock = threading.RLock()
         self.leases = Leases(self.lock)
         self.leases.on_idle = self._lease_idle
@@ -130,6 +137,7 @@ class Store:
     def recover(self) -> list[str]:
         """Remove what interrupted pulls left behind; return what was removed."""
         removed = []
+        self._generation = next(self._writes)
         # Last run's private copies (thousands, with many adapters placed by hand) go aside in one
         # rename and are deleted in the background: start-up does not wait for them, and a crash
         # mid-way leaves them in .tmp for the next start to finish.
@@ -162,6 +170,7 @@ class Store:
             if folder != self.root and not any(folder.iterdir()):
                 folder.rmdir()
                 removed.append(str(folder))
+        self._generation = next(self._writes)   # a listing GC took above saw what was removed since
         return removed
 
     def stamp_format(self) -> None:
@@ -183,25 +192,19 @@ class Store:
                 found.extend(sub for sub in sorted(entry.iterdir()) if sub.is_symlink())
         return found
 
-    def _candidates(self) -> list[tuple[str, Path]]:
-        """(name, entry) for every adapter-looking entry one or two levels down (scandir: one
-        stat per entry, not one per path operation; 10,000 entries are listed on every ls)."""
-        found = []
-        has_config = lambda path: os.path.exists(os.path.join(path, CONFIG_FILE))  # noqa: E731
-        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
-            if entry.name.startswith("."):
-                continue
-            if has_config(entry.path):
-                found.append((entry.name, self.root / entry.name))
-            elif entry.is_dir(follow_symlinks=False):
-                for sub in sorted(os.scandir(entry.path), key=lambda e: e.name):
-                    if not sub.name.startswith(".") and has_config(sub.path):
-                        found.append((f"{entry.name}/{sub.name}", Path(sub.path)))
-        return found
-
     def list(self) -> list[StoredAdapter]:
+        """Every adapter in the store, in name order. Kept between asks while the store's own
+        writes (``_generation``) and the folders' and hand-placed files' stats say nothing changed
+        (``loractld.store.listing``): an unchanged store of 10,000 adapters lists with an lstat
+        per folder and file, no reads."""
+        kept = self._listing
+        if kept is not None and kept[0] == self._generation and kept[1].holds():
+            return list(kept[2])
+        generation = self._generation
+        walk = listing.scan(self._root_str)   # stats before reads: a racing change shows next time
         adapters = []
-        for name, entry in self._candidates():
+        for name, path in walk.found:
+            entry = Path(path)
             if not NAME_RE.match(name):
                 _log.warning("ignoring %s: %r is not a valid adapter name", entry, name)
                 continue
@@ -213,7 +216,10 @@ class Store:
                 self._note_damaged(name, str(e))
                 # Listed (ls shows it failed, with why), and its folder kept from GC: set aside.
                 adapters.append(StoredAdapter(name, entry.resolve(), {"files": [], "damaged": str(e)}, False))
-        return adapters
+        # Refused or damaged entries are read (and warned about) again on every ask, as before.
+        clean = len(adapters) == len(walk.found) and not any("damaged" in a.manifest for a in adapters)
+        self._listing = (generation, walk, adapters) if clean and walk.trusted else None
+        return list(adapters)
 
     def _note_damaged(self, name: str, why: str) -> None:
         if self.damaged.get(name) != why:
@@ -248,6 +254,12 @@ class Store:
         if key is not None:
             self._entries[name] = (key, adapter)
         return adapter
+
+    def listed_key(self, name: str) -> tuple | None:
+        """The entry key ``name`` was last read under (by a listing, a get or an install), with no
+        system call: what the last listing's check stands for; None if not read yet."""
+        known = self._entries.get(name)
+        return known[0] if known is not None else None
 
     def entry_key(self, name: str) -> tuple | None:
         """What identifies the entry ``name`` now: a pulled adapter's link target (objects are
@@ -358,6 +370,7 @@ class Store:
             with self.lock:
                 previous = entry.resolve() if entry.is_symlink() else None
                 os.replace(link_tmp, entry)
+                self._generation = next(self._writes)
                 if previous is not None and previous != obj.resolve():
                     self._retired.add(str(previous))
             _fsync_dir(entry.parent)
@@ -437,6 +450,7 @@ class Store:
         A hand-placed adapter a request holds is refused (its folder is the adapter)."""
         entry = self.root / name
         self._entries.pop(name, None)
+        self._generation = next(self._writes)
         try:
             adapter = self.get(name)
         except InvalidAdapter:
@@ -458,6 +472,7 @@ class Store:
             parent = entry.parent
             if parent != self.root and not any(parent.iterdir()):
                 parent.rmdir()
+            self._generation = next(self._writes)   # again: a listing taken meanwhile may have seen it half gone
         return adapter
 
 

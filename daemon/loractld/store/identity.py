@@ -15,6 +15,7 @@ Python's ``hash()`` is salted per process and is never used for this.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class AdapterResolver:
         self._ids: dict[str, int] = {}
         self._taken: set[int] = set()
         self._labels: dict[int, str] = {}
+        self._weights: dict[int, int] = {}   # engine id -> its weights file's bytes (the exchange metrics)
         self._by_name: dict[str, tuple[tuple, AdapterRef]] = {}
 
     async def resolve_async(self, lora: str) -> AdapterRef:
@@ -87,6 +89,22 @@ class AdapterResolver:
                 self.resolve(name)
             except LoractlError:
                 pass
+
+    def resolve_listed(self, adapters: list) -> dict[str, AdapterRef | LoractlError]:
+        """Each of ``adapters`` (what ``Store.list`` just returned) resolved, or why not: a name
+        resolved under the entry key that listing read (``Store.listed_key``) is answered with no
+        system call (the listing checked those stats); any other is resolved now."""
+        answers: dict[str, AdapterRef | LoractlError] = {}
+        for adapter in adapters:
+            known, listed = self._by_name.get(adapter.name), self.store.listed_key(adapter.name)
+            if known is not None and listed is not None and known[0] == listed:
+                answers[adapter.name] = known[1]
+                continue
+            try:
+                answers[adapter.name] = self.resolve(adapter.name)
+            except LoractlError as e:
+                answers[adapter.name] = e
+        return answers
 
     def cached(self, lora: str) -> AdapterRef | None:
         """The answer for a store name whose entry is unchanged since it was resolved; else None."""
@@ -142,7 +160,14 @@ class AdapterResolver:
             self._facts.pop((digest, forced), None)
         ref = AdapterRef(label=label, path=path, digest=digest, engine_id=self.id_for(digest))
         self._labels[ref.engine_id] = label
+        with contextlib.suppress(OSError):
+            self._weights[ref.engine_id] = os.stat(files / WEIGHTS_FILE).st_size
         return ref
+
+    def weights_bytes(self, engine_id: int) -> int:
+        """The size of the weights file an engine id was last resolved from (what a load from disk
+        reads); 0 if unknown."""
+        return self._weights.get(engine_id, 0)
 
     def label_of(self, engine_id: int) -> str | None:
         """The name an engine id was last resolved from (for events and listings)."""

@@ -1,0 +1,64 @@
+"""The store's kept listing (loractld.store.listing): ls at 10,000 adapters no longer reads every
+entry per ask, and still shows every change on the next ask — hand-placed adapters added,
+removed, given their config or rewritten in place, and the store's own installs and removals."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+from loractld.store.disk import Store, WEIGHTS_FILE
+
+
+def _settled(store: Store) -> list[str]:
+    """The names listed once the listing is kept (its files older than listing.RACY_S): the ask
+    after a change then goes through the kept listing's check, the path under test."""
+    deadline = time.monotonic() + 10
+    while True:
+        names = [a.name for a in store.list()]
+        if store._listing is not None:
+            return names
+        assert time.monotonic() < deadline, "the listing was never kept"
+        time.sleep(0.2)
+
+
+def test_a_kept_listing_shows_every_change_on_the_next_ask(tmp_path, demo):
+    store = Store(tmp_path / "adapters")
+    source = demo / "adapters" / "poet" / "v1"
+    org = store.root / "org"
+    shutil.copytree(source, org / "a")
+    shutil.copytree(source, org / "b")
+    (org / "later").mkdir()
+    assert _settled(store) == ["org/a", "org/b"]
+    kept = store.list()
+    assert kept[0] is store.list()[0]   # answered from the kept listing, nothing read again
+
+    shutil.copytree(source, org / "c")                            # added by hand
+    assert [a.name for a in store.list()] == ["org/a", "org/b", "org/c"]
+    _settled(store)
+    for name in os.listdir(source):                               # a folder given its files later
+        shutil.copy(source / name, org / "later" / name)
+    assert "org/later" in [a.name for a in store.list()]
+    _settled(store)
+    shutil.rmtree(org / "a")                                      # removed by hand
+    assert [a.name for a in store.list()] == ["org/b", "org/c", "org/later"]
+    _settled(store)
+    before = {a.name: a.manifest["revision"] for a in store.list()}
+    weights = org / "b" / WEIGHTS_FILE                            # rewritten in place, same size
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    with open(weights, "r+b") as f:
+        f.write(data)
+    after = {a.name: a.manifest["revision"] for a in store.list()}
+    assert after["org/b"] != before["org/b"] and after["org/c"] == before["org/c"]
+
+    _settled(store)
+    with store.staging() as staged:                               # the store's own install and rm
+        shutil.copytree(source, staged, dirs_exist_ok=True)
+        store.install("pulled/v1", staged, {"files": [{"name": n, "size": (staged / n).stat().st_size,
+                                                       "sha256": "0" * 64} for n in os.listdir(staged)]})
+    assert "pulled/v1" in [a.name for a in store.list()]
+    _settled(store)
+    store.remove("pulled/v1")
+    assert "pulled/v1" not in [a.name for a in store.list()]
