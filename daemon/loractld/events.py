@@ -86,7 +86,13 @@ class Metrics:
 
     HELP = {
         "loractl_adapter_load_seconds": ("histogram", "Time to load an adapter into a tier."),
-        "loractl_adapter_loads_total": ("counter", "Adapters loaded into a tier."),
+        "loractl_adapter_loads_total": ("counter", "Adapters loaded into a tier (host: from disk; device: from "
+                                                   "host RAM), by an operation or by vLLM within a step."),
+        "loractl_adapter_load_bytes_total": ("counter", "Bytes moved into a tier by those loads (host: the weights "
+                                                        "files read; device: what the engine holds of them)."),
+        "loractl_adapter_load_wait_seconds": ("histogram", "Time from admission to first token of a request whose "
+                                                           "adapter was not on the device (from: where it was, as "
+                                                           "last read): its load and prefill."),
         "loractl_adapter_evictions_total": ("counter", "Adapters that left a tier, by reason."),
         "loractl_adapter_load_failures_total": ("counter", "Adapter loads that failed."),
         "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),
@@ -110,9 +116,9 @@ class Metrics:
             kind, help_text = self.HELP.get(name, ("untyped", name))
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for labels, value in sorted(self.counters.get(name, {}).items()):
-                lines.append(f"{name}{_labels(labels)} {value:g}")
+                lines.append(f"{name}{_labels(labels)} {_number(value)}")
             for labels, value in sorted(self.gauges.get(name, {}).items()):
-                lines.append(f"{name}{_labels(labels)} {value:g}")
+                lines.append(f"{name}{_labels(labels)} {_number(value)}")
             for (hname, labels), (counts, total) in sorted(self._hist.items()):
                 if hname != name:
                     continue
@@ -121,9 +127,19 @@ class Metrics:
                     running += count
                     le = "+Inf" if bound == float("inf") else f"{bound:g}"
                     lines.append(f"{name}_bucket{_labels(labels + (('le', le),))} {running}")
-                lines.append(f"{name}_sum{_labels(labels)} {total:g}")
+                lines.append(f"{name}_sum{_labels(labels)} {_number(total)}")
                 lines.append(f"{name}_count{_labels(labels)} {running}")
         return "\n".join(lines) + "\n"
+
+
+def _number(value: float) -> str:
+    """A sample's value, exact: ``:g`` kept six digits (3,370,976 bytes read 3.37098e+06)."""
+    value = float(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return str(int(value)) if value.is_integer() and abs(value) < 2 ** 53 else repr(value)
 
 
 def _labels(labels: tuple) -> str:

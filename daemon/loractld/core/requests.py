@@ -48,9 +48,14 @@ ROLES = ("system", "user", "assistant")
 
 class RequestPath:
     def admitted(self, ticket: Ticket) -> None:
-        """The gate let ``ticket`` into the engine: observe its wait; tell who waited."""
+        """The gate let ``ticket`` into the engine: observe its wait; tell who waited; note where
+        its adapter is (as last read, no read now), so its first token says how long it then
+        waited for the adapter's load (:meth:`_generated`)."""
         if ticket.key is None:
             return
+        if self.tiers is not None:
+            tier = self.tiers.last_state.residency(ticket.key).tier
+            ticket.load_from = "" if tier == "device" else tier
         self.metrics.observe("loractl_admission_wait_seconds", (("adapter", ticket.label),), ticket.wait_s,
                              buckets=WAIT_BUCKETS)
         if ticket.waited:
@@ -90,7 +95,13 @@ class RequestPath:
         self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
         ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
         if tokens and ticket is not None and self.gate is not None:
+            first = ticket.first_token is None
             self.gate.first_token(ticket)   # once: it ignores a ticket that had its first token
+            if first and ticket.load_from and ticket.first_token is not None:
+                # Admission to first token of a request whose adapter had to come to the device:
+                # its load (and its prefill), what thrash costs a request past the gate.
+                self.metrics.observe("loractl_adapter_load_wait_seconds", (("from", ticket.load_from),),
+                                     ticket.first_token - ticket.admitted, buckets=WAIT_BUCKETS)
 
     async def sampling_defaults(self) -> dict:
         """The model's own defaults for sampling parameters a request leaves out."""

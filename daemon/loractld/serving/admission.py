@@ -59,6 +59,7 @@ class Ticket:
     opened_turn: bool = False       # its grant made its adapter active (a hand-over, if one was closing)
     first_token: float | None = None
     grant: asyncio.Future | None = field(default=None, repr=False)
+    load_from: str = ""             # host or disk: where its adapter was when admitted, if not on the device
 
     @property
     def wait_s(self) -> float:

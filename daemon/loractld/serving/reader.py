@@ -25,9 +25,10 @@ _log = logging.getLogger("loractld.tiers")
 
 class EngineStateReader:
     def __init__(self, engine: TierEngine, label: Callable[[int], str], events: EventBus, metrics: Metrics,
-                 *, follow_interval_s: float = 0.2) -> None:
+                 *, follow_interval_s: float = 0.2, weights_bytes: Callable[[int], int] = lambda engine_id: 0) -> None:
         self.engine = engine
         self._label = label
+        self._weights_bytes = weights_bytes
         self.events = events
         self.metrics = metrics
         self._last = EngineState()
@@ -82,8 +83,7 @@ class EngineStateReader:
             if direction == "in":
                 reason = self._reasons.pop((engine_id, tier), "lazy")
                 self.events.publish(Event(f"LOADED_TO_{tier.upper()}", self._label(engine_id), reason=reason))
-                if reason == "lazy":
-                    self.metrics.inc("loractl_adapter_loads_total", (("tier", tier),))
+                self._count_load(tier, engine_id, now)
             else:
                 reason = self._reasons.pop((engine_id, tier), "lru")
                 kind = "EVICTED_FROM_HOST" if tier == "host" else "UNLOADED_FROM_DEVICE"
@@ -92,6 +92,16 @@ class EngineStateReader:
         for tier, ids in (("host", now.host), ("device", now.device)):
             self.metrics.set("loractl_tier_adapters", (("tier", tier),), len(ids))
             self.metrics.set("loractl_tier_bytes", (("tier", tier),), sum(now.host_bytes.get(i, 0) for i in ids))
+
+    def _count_load(self, tier: str, engine_id: int, now: EngineState) -> None:
+        """An arrival in ``tier``, whoever caused it (an operation, or vLLM within a step): one
+        load and its bytes moved: into host RAM, the weights file read from disk; onto the
+        device, what the engine holds of it in host RAM (the copy made), or the file's size
+        where the engine reports none."""
+        moved = now.host_bytes.get(engine_id, 0) if tier == "device" else 0
+        self.metrics.inc("loractl_adapter_loads_total", (("tier", tier),))
+        self.metrics.inc("loractl_adapter_load_bytes_total", (("tier", tier),),
+                         moved or self._weights_bytes(engine_id))
 
     # -- following the engine while requests run ------------------------------------------
     def note_activity(self) -> None:

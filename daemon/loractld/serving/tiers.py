@@ -68,7 +68,8 @@ class Tiers:
         # the revision pinned, which a new revision or a pin racing a pull can make differ from
         # what the name resolves to now. Unpins release this id, never a re-resolved one.
         self._pinned_ids: dict[str, int] = {}
-        self.reader = EngineStateReader(engine, self._label, events, metrics, follow_interval_s=follow_interval_s)
+        self.reader = EngineStateReader(engine, self._label, events, metrics, follow_interval_s=follow_interval_s,
+                                        weights_bytes=resolver.weights_bytes)
 
     # -- the engine's state, read by the reader -------------------------------------------
     async def sync(self) -> EngineState:
@@ -153,9 +154,8 @@ class Tiers:
                     raise LoractlError(f"loading {name!r} failed: {e}", "See the daemon's log; loractl show NAME.") from e
                 elapsed = time.perf_counter() - began
                 usage.state = "ready"
-                if before.tier != to:
+                if before.tier != to:   # counted as loads (and bytes) by the reader, per tier it arrived in
                     self.metrics.observe("loractl_adapter_load_seconds", (("tier", to),), elapsed)
-                    self.metrics.inc("loractl_adapter_loads_total", (("tier", to),))
                 state = await self.sync()
                 self.reader.clear_expected()
                 return state.residency(adapter.engine_id)
