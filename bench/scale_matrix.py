@@ -109,26 +109,24 @@ def process_tree(pid: int) -> list[int]:
     return found
 
 
-def rss_mib(pid: int) -> float:
+def _tree_sum(pid: int, file: str, field: str) -> int:
+    """``field``'s first number in ``/proc/P/file``, summed over ``pid``'s process tree."""
     total = 0
     for p in process_tree(pid):
         try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (OSError, StopIteration):
-            pass
-    return round(total / 1024, 1)
-
-
-def read_bytes(pid: int) -> int:
-    total = 0
-    for p in process_tree(pid):
-        try:
-            with open(f"/proc/{p}/io") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+            with open(f"/proc/{p}/{file}") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith(field))
         except (OSError, StopIteration):
             pass
     return total
+
+
+def rss_mib(pid: int) -> float:
+    return round(_tree_sum(pid, "status", "VmRSS:") / 1024, 1)
+
+
+def read_bytes(pid: int) -> int:
+    return _tree_sum(pid, "io", "read_bytes:")
 
 
 async def run_matrix(systems: list, pids: dict[str, int], specs: list[dict], args) -> dict:
