@@ -112,7 +112,7 @@ def test_a_hub_ref_is_pulled_and_answers_as_its_adapter(served, demo, tmp_path):
     assert asyncio.run(go("hub-poet")) == asyncio.run(go("sources/poet"))
 
 
-@pytest.mark.parametrize("case", ["bad-folder", "missing-folder", "bad-from", "no-such-ref"])
+@pytest.mark.parametrize("case", ["bad-folder", "missing-folder", "bad-from", "no-such-ref", "a-profile"])
 def test_a_refused_create_names_its_line_and_leaves_nothing(served, demo, tmp_path, case):
     daemon, _, base = served
     good(demo, tmp_path / "ok", name="sources/ok")
@@ -120,8 +120,11 @@ def test_a_refused_create_names_its_line_and_leaves_nothing(served, demo, tmp_pa
     lines = {"bad-folder": (f"FROM {base}\nADAPTER ./ok=0.5\nADAPTER ./empty=0.5\n", "Modelfile line 3", 5),
              "missing-folder": (f"FROM {base}\nADAPTER ./ok\n\nADAPTER ./nowhere=2\n", "Modelfile line 4", 4),
              "bad-from": ("FROM nothing-of-that-name\nADAPTER ./ok\n", "FROM 'nothing-of-that-name'", 2),
-             "no-such-ref": (f"FROM {base}\nADAPTER ./ok\n# a comment\nADAPTER acme/none\n", "Modelfile line 4", 4)}
+             "no-such-ref": (f"FROM {base}\nADAPTER ./ok\n# a comment\nADAPTER acme/none\n", "Modelfile line 4", 4),
+             "a-profile": (f"FROM {base}\nADAPTER ./ok\nADAPTER sources/profile\n", "Modelfile line 3", 2)}
     text, words, code = lines[case]
+    if case == "a-profile":
+        cli(daemon, "create", "sources/profile", "--from", base)
     (tmp_path / "Modelfile").write_text(text)
     before = names(daemon)
     refused = cli(daemon, "create", "refused", "-f", str(tmp_path / "Modelfile"), ok=False)

@@ -33,7 +33,8 @@ def create(
     file: Annotated[str | None, typer.Option("--file", "-f", help="A Modelfile (Ollama's syntax; - reads stdin).")] = None,
     base: Annotated[str | None, typer.Option("--from", help="FROM: the base model, a stored adapter or a profile.",
                                              autocompletion=adapter_names)] = None,
-    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="ADAPTER NAME[=WEIGHT]; repeat to merge several.",
+    adapter: Annotated[list[str] | None, typer.Option("--adapter", help="ADAPTER NAME[=WEIGHT]: a stored adapter, a folder or a Hub ref "
+                                                      "(pulled as <name>-adapter); repeat to merge several.",
                                                       autocompletion=adapter_names)] = None,
     system: Annotated[str | None, typer.Option("--system", help="SYSTEM: the system prompt.")] = None,
     template: Annotated[str | None, typer.Option("--template", help="TEMPLATE: a file with a Jinja chat template.")] = None,
@@ -55,6 +56,8 @@ def create(
         loractl create sql-assistant -f Modelfile
 
         loractl create sql-assistant --from sql-expert/v1 --system "Answer in SQL." --param temperature=0 --param stop=";"
+
+        loractl create poet --from BASE --adapter ./poet-lora --adapter org/r=0.5
 
         loractl run --lora sql-assistant "list the tables"
     """

@@ -5,7 +5,8 @@ create fails.
 
 The rule, for each ADAPTER value (its weight already split off by the parser):
 
-1. a stored adapter's name wins (``sql-expert/v1``);
+1. a stored adapter's name wins (``sql-expert/v1``); a profile's name is refused (FROM takes a
+   profile, its adapter and defaults);
 2. otherwise an absolute folder (``/abs/folder``, ``file:///abs/folder``) is pulled as a folder;
    the CLI sends relative ones (``./x``, ``../x``, ``~/x``, or an existing folder that is no
    stored name) made absolute against the Modelfile's folder, as Ollama resolves them. A
@@ -129,6 +130,10 @@ async def _stored(core, pulls: CreatePulls, profile: str, value: str, line: int,
     catalog = await core._wait_catalog()
     if await asyncio.to_thread(catalog.store.has, value):
         return value
+    if core.profile_of(value) is not None:
+        raise refused(line, f"ADAPTER {value!r} is a profile, not an adapter",
+                      f"Build on a profile with FROM {value} (its adapter and defaults), or name its adapter "
+                      f"(loractl show {value}).")
     if value.startswith(_RELATIVE) or value in (".", ".."):
         raise refused(line, f"ADAPTER {value!r} is a relative path, which the daemon cannot resolve",
                       "Give the folder's absolute path (loractl create -f makes a Modelfile's relative paths "
