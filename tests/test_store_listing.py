@@ -102,11 +102,13 @@ def _filled(cls, depth: int = 0):
 
 
 def test_every_reply_decodes_and_prints_as_json_format_and_json_dumps_do():
-    """The CLI's field-by-field decoding and its JSON writer (ls --json at 10,000 adapters) give
-    what protobuf's json_format and json.dumps(indent=2, sort_keys=True) give, for every message."""
+    """The CLI's field-by-field decoding, its JSON writer and ls --json's messages-to-text (at 10,000
+    adapters) give what protobuf's json_format and json.dumps(indent=2, sort_keys=True) give, for
+    every message (or leave it to them: None)."""
     import json
 
     from loractl.cli._output import dumps_indented
+    from loractl.message_json import messages_json
     from loractl.messages import slow_to_dict, to_dict
     from loractl.v1 import loractl_pb2 as pb
 
@@ -115,3 +117,5 @@ def test_every_reply_decodes_and_prints_as_json_format_and_json_dumps_do():
             assert to_dict(message) == slow_to_dict(message), name
             data = to_dict(message)
             assert dumps_indented(data) == json.dumps(data, indent=2, sort_keys=True), name
+            assert messages_json([message, message]) in (None, dumps_indented([data, data])), name
+    assert messages_json(pb.ListReply(adapters=[_filled(pb.Adapter)] * 2).adapters) is not None   # ls's own path

@@ -92,9 +92,12 @@ class AdapterView:
     merge: MergeView | None = None   # a merged adapter: what it was made of
 
     def copy(self) -> AdapterView:
-        """A shallow copy (lists shared): a listing's per-ask copy of a view made once."""
+        """A shallow copy (lists shared): a listing's per-ask copy of a view made once, which
+        remembers that view as ``base`` (a door may keep what it made of the base: fields the
+        copy holds other values in are all that differ)."""
         clone = object.__new__(AdapterView)
         clone.__dict__.update(self.__dict__)
+        clone.__dict__["base"] = self
         return clone
 
     @classmethod

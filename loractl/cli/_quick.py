@@ -175,6 +175,16 @@ def explicit_socket(socket: str | None) -> str | None:
 def reply(socket: str | None, home: str | None, method: str, request, reply_type) -> dict | None:
     """``method``'s reply as ``loractl.client.to_dict`` gives it, asked of the named socket or the
     one daemon the registry lists (``_quick_registry``); None: ask through ``Client`` instead."""
+    answer = message(socket, home, method, request, reply_type)
+    if answer is None:
+        return None
+    from loractl.messages import to_dict
+
+    return to_dict(answer)
+
+
+def message(socket: str | None, home: str | None, method: str, request, reply_type):
+    """``method``'s reply message, as :func:`reply` asks for it; None: ask through ``Client``."""
     path = explicit_socket(socket)
     if path is None and not os.environ.get("LORACTL_SOCKET"):
         from loractl.cli._quick_registry import discovered_socket
@@ -183,8 +193,4 @@ def reply(socket: str | None, home: str | None, method: str, request, reply_type
     if path is None:
         return None
     answer = unary(path, method, request.SerializeToString())
-    if answer is None:
-        return None
-    from loractl.messages import to_dict
-
-    return to_dict(reply_type.FromString(answer))
+    return None if answer is None else reply_type.FromString(answer)
