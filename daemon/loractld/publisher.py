@@ -32,6 +32,7 @@ class Publisher:
         self.handle: InstanceHandle = ServiceRegistry(home=home).register_instance(
             NAMESPACE, COMPONENT, metadata=self._base())
         self._task: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None
 
     def _base(self) -> dict:
         data = {"socket": self.socket_path, "pid": os.getpid(), "version": __version__, "lora": {"enabled": True}}
@@ -46,15 +47,16 @@ class Publisher:
             return data
         state = tiers.last_state
         stored = await asyncio.to_thread(catalog.store.list)
-        await asyncio.to_thread(catalog.resolver.warm, [a.name for a in stored])  # new content: off the loop
+        # Validated adapters as resolved, the others by their content's id (the background warm-up
+        # started with the entry, _warm, validates them and writes the entry again).
+        known = catalog.resolver.known(stored)
         available, loaded = [], []
         for adapter in stored:
-            try:
-                ref = catalog.resolver.resolve(adapter.name)
-            except Exception:  # noqa: BLE001 - an invalid adapter is listed as failed, not fatal
+            ref = known.get(adapter.name)
+            if ref is None or isinstance(ref, Exception):   # an invalid adapter is listed as failed
                 available.append({"name": adapter.name, "state": "failed", "pinned": False})
                 continue
-            residency = state.residency(ref.engine_id)
+            residency = state.residency(ref if isinstance(ref, int) else ref.engine_id)
             available.append({"name": adapter.name, "state": residency.tier, "pinned": residency.pinned,
                               "pinned_to": residency.pin})
             if residency.tier == "device":
@@ -79,6 +81,16 @@ class Publisher:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._follow())
+        self._warming = asyncio.create_task(self._warm())
+
+    async def _warm(self) -> None:
+        """Validate every stored adapter off the loop after READY, not before (10,000 took 6 s of
+        start-up), then write the entry again with any that failed."""
+        catalog = self.core.catalog
+        if catalog is not None:
+            stored = await asyncio.to_thread(catalog.store.list)
+            await asyncio.to_thread(catalog.resolver.warm, [a.name for a in stored])
+            await self.refresh()
 
     async def _follow(self) -> None:
         queue = self.core.events.subscribe()
@@ -97,6 +109,7 @@ class Publisher:
         self.handle.set_ready(ready)
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._warming):
+            if task is not None:
+                task.cancel()
         self.handle.close()

@@ -106,6 +106,24 @@ class AdapterResolver:
                 answers[adapter.name] = e
         return answers
 
+    def known(self, adapters: list) -> dict[str, AdapterRef | LoractlError | int | None]:
+        """What is known of ``adapters`` (what ``Store.list`` returned) without validating
+        anything: a name's answer where it was resolved under the key that listing read, else its
+        content's engine id from its manifest's digests (None: no files listed, damaged). For the
+        registry entry at start-up: validating 10,000 adapters before READY took 6 s."""
+        answers: dict[str, AdapterRef | LoractlError | int | None] = {}
+        for adapter in adapters:
+            known, listed = self._by_name.get(adapter.name), self.store.listed_key(adapter.name)
+            if known is not None and listed is not None and known[0] == listed:
+                answers[adapter.name] = known[1]
+            elif files := adapter.manifest.get("files"):
+                digest = files_digest(files)
+                refused = self._facts.get((digest, bool(adapter.manifest.get("forced"))))
+                answers[adapter.name] = refused if isinstance(refused, LoractlError) else self.id_for(digest)
+            else:
+                answers[adapter.name] = None
+        return answers
+
     def cached(self, lora: str) -> AdapterRef | None:
         """The answer for a store name whose entry is unchanged since it was resolved; else None."""
         if os.path.isabs(lora):
