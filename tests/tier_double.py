@@ -44,6 +44,9 @@ class Resolver:
     def label_of(self, engine_id: int) -> str | None:
         return next((n for n, r in self.refs.items() if r.engine_id == engine_id), None)
 
+    def weights_bytes(self, engine_id: int) -> int:
+        return 0    # no files: the exchange metrics count no bytes read from disk
+
 
 class EngineDouble:
     """vLLM's two LoRA caches as the worker reports them, no model: only what Tiers reads."""
