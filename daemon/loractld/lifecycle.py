@@ -27,6 +27,7 @@ from loractld.engine import pidfile as enginepid
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate
 from loractld.serving.policies import make_policy
+from loractld.api import grpc_deadlines
 from loractld.api.coalesce import CoalescingServer
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings
@@ -321,6 +322,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     core.socket_gid = socket_gid
     # LORACTL_GRPC_COALESCE=0: grpclib's own server, one write per frame (the benchmarks' control).
     server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
+    grpc_deadlines.install()
     server = server_class([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
     if activated is not None:
         await server.start(sock=activated)
