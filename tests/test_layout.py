@@ -97,7 +97,7 @@ FLOORS = (
     ("core", ("loractld.core", "loractld.generation", "loractld.startup")),
     ("api", ("loractld.api",)),
     ("process", ("loractld.__main__", "loractld.main", "loractld.lifecycle", "loractld.config", "loractld.systemd",
-                 "loractld.selfcheck", "loractld.publisher")),
+                 "loractld.selfcheck", "loractld.publisher", "loractld.home_claim")),
 )
 
 

@@ -24,9 +24,11 @@ from grpclib.server import Server
 from loractl import daemon_exit, paths
 from loractl.errors import EngineUnavailable, LoractlError
 from loractld.engine import pidfile as enginepid
+from loractld.home_claim import claim_socket_path, lock_home
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate
 from loractld.serving.policies import make_policy
+from loractld.serving.prefetch import Prefetcher
 from loractld.api import grpc_deadlines
 from loractld.api.coalesce import CoalescingServer
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
@@ -74,70 +76,7 @@ class DaemonSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # the largest gRPC request message read
     dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
     auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.core.ondemand)
-
-
-class HomeInUse(LoractlError):
-    kind = "home_in_use"
-    default_hint = ("Stop the other daemon first, or give this one a home of its own (--home DIR); daemons "
-                    "with their own homes share a registry through LORACTL_REGISTRY.")
-
-
-LOCK_FILE = daemon_exit.LOCK_FILE   # the CLI reads its holder to tell a starting daemon (loractl/daemon_exit.py)
-
-
-def lock_home(data_dir: Path, sock_path: Path) -> int:
-    """Hold the home for this process: a lock on ``<home>/loractld.lock``, taken before
-    anything in the home is touched (socket, recovery, GC, state.json), held until exit (the
-    kernel drops it with the process, however it ends). The file names the holder's pid and
-    socket, for the refusal a second daemon gets. Returns the open descriptor.
-
-    A POSIX record lock (``lockf``), not ``flock``: an ``flock`` belongs to the open file, which
-    vLLM's forked engine processes would share, so an orphaned engine of a SIGKILLed daemon
-    would hold the home against the restart that is to clear it (engine/pidfile.py)."""
-    import fcntl
-    import json
-
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except ValueError:
-            holder = {}
-        os.close(fd)
-        raise HomeInUse(f"another loractld (pid {holder.get('pid', '?')}, socket {holder.get('socket', '?')}) "
-                        f"already serves {data_dir}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(sock_path)}).encode(), 0)
-    return fd
-
-
-class SocketInUse(LoractlError):
-    kind = "socket_in_use"
-    default_hint = "Stop the other daemon (loractl status shows its pid), or pass another --socket."
-
-
-def _claim_socket_path(path: Path) -> None:
-    """Make ``path`` free to bind: refuse if a live daemon answers there, remove a stale file."""
-    if len(os.fsencode(path)) > paths.MAX_SOCKET_PATH:
-        raise LoractlError(f"socket path is longer than {paths.MAX_SOCKET_PATH} bytes: {path}",
-                           "Use a shorter --socket or --home.")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not path.exists() and not path.is_symlink():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        path.unlink(missing_ok=True)  # stale: its daemon is gone
-        return
-    except OSError as e:
-        raise LoractlError(f"cannot use socket path {path}: {e}") from e
-    finally:
-        probe.close()
-    raise SocketInUse(f"another daemon is already listening on {path}")
+    prefetch: bool = True       # waiting requests' adapters loaded to host RAM (loractld.serving.prefetch)
 
 
 def resolve_model(model: str, home: str | None, report: Report | None = None) -> str:
@@ -258,7 +197,7 @@ def _listeners(systemd: SystemdEnv, settings: DaemonSettings, layout: paths.Layo
     home_lock = lock_home(layout.data_dir, sock_path)
     try:
         if activated is None:
-            _claim_socket_path(sock_path)
+            claim_socket_path(sock_path)
         if http_sock is None and settings.http.address is not None:
             http_sock = http_settings.bind(*settings.http.address)
     except BaseException:
@@ -398,6 +337,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             tiers = Tiers(engine, core.catalog.resolver, open_state(layout.state_dir / "state.json", core.catalog.store),
                           core.events, core.metrics, gate, max_loras=settings.engine.max_loras,
                           max_cpu_loras=settings.engine.max_cpu_loras)
+            if settings.prefetch:
+                Prefetcher(tiers, gate)   # it watches the gate from now on
             await tiers.sync()
             for failure in await tiers.apply_startup(list(settings.preload), vet=core.vet):
                 _log.warning("startup: %s", failure)
