@@ -35,9 +35,10 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(REPO / "daemon"))
 
 
-def make_adapters(home: Path, count: int) -> Path:
+def make_adapters(home: Path, count: int, first: int = 0) -> Path:
     """``count`` hand-placed adapters ``scale/a00000``... under ``home``'s store, each of its own
-    content; returns the tiny model's folder (built under ``home`` as the daemon would)."""
+    content (``first`` offsets it: stores made with other offsets share none); returns the tiny
+    model's folder (built under ``home`` as the daemon would)."""
     from loractl import paths
     from loractld.models.tiny import ensure_demo
 
@@ -53,7 +54,7 @@ def make_adapters(home: Path, count: int) -> Path:
             folder = root / f"a{i:05d}"
             folder.mkdir()
             # The last float32 of the last tensor: distinct for every i, small like its neighbours.
-            (folder / "adapter_model.safetensors").write_bytes(weights[:-4] + struct.pack("<f", 0.01 + i * 1e-7))
+            (folder / "adapter_model.safetensors").write_bytes(weights[:-4] + struct.pack("<f", 0.01 + (first + i) * 1e-7))
             (folder / "adapter_config.json").write_bytes(config)
     finally:
         shutil.rmtree(template, ignore_errors=True)
@@ -89,7 +90,7 @@ def start(home: Path, port: int) -> tuple[subprocess.Popen, float]:
     began = time.perf_counter()
     proc = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(home), "--socket", str(sock),
                              "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
-                             "--http", f"127.0.0.1:{port}"],
+                             "--http", f"127.0.0.1:{port}", "--max-cpu-loras", str(HOST_ENTRIES)],
                             stdout=open(home / "d.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     while time.perf_counter() - began < 600:
         if proc.poll() is not None:
@@ -107,6 +108,9 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(120)
 
 
+HOST_ENTRIES = 4   # the daemon's default --max-cpu-loras, given so that "the host tier full" is explicit
+
+
 def timed(fn, runs: int) -> list[float]:
     fn()  # warm: the first ask after start may fill caches
     times = []
@@ -117,7 +121,7 @@ def timed(fn, runs: int) -> list[float]:
     return times
 
 
-def measure(home: Path, runs: int, expect: int) -> dict:
+def measure(home: Path, runs: int, expect: int, pulls: list[Path] = ()) -> dict:
     import socket
 
     with socket.socket() as s:
@@ -143,8 +147,12 @@ def measure(home: Path, runs: int, expect: int) -> dict:
         report = {"startup_s": round(startup, 2), "listed": listed, "served_models": served,
                   "median_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
                   "max_s": {k: round(max(v), 3) for k, v in times.items()}}
-        if expect:
+        if expect > 10:
             report["hand_placed_change"] = hand_placed_change(home, cli, expect)
+        if pulls:
+            report["pull_s"] = timed_pulls(cli, pulls, expect)
+        if expect:
+            report["rss"] = rss_host_full(proc.pid, cli)
         return report
     finally:
         stop(proc)
@@ -170,6 +178,39 @@ def hand_placed_change(home: Path, cli, expect: int) -> dict:
     removed_s = time.perf_counter() - began
     assert len(listed) == expect, len(listed)
     return {"ls after one added (s)": round(added_s, 3), "ls after it was removed (s)": round(removed_s, 3)}
+
+
+def timed_pulls(cli, folders: list[Path], expect: int) -> list[float]:
+    """Seconds of ``loractl pull FOLDER`` into this store, one per folder, each removed after
+    (every pull is number ``expect + 1``)."""
+    times = []
+    for i, folder in enumerate(folders):
+        name = f"pulled/p{i}"
+        began = time.perf_counter()
+        cli("pull", str(folder), "--name", name, "--json")
+        times.append(round(time.perf_counter() - began, 3))
+        cli("rm", name, "--json")
+    assert len(json.loads(cli("ls", "--json"))) == expect
+    return times
+
+
+def rss_host_full(pid: int, cli) -> dict:
+    """The daemon's RSS with its host tier full: ``HOST_ENTRIES`` adapters loaded into host RAM,
+    listed a few times (its listing kept, as in use), then read from /proc: the daemon alone and
+    its process tree (the engine's workers too)."""
+    from scale_matrix import rss_mib   # one reader of /proc
+
+    names = [a["name"] for a in json.loads(cli("ls", "--json"))[:HOST_ENTRIES]]
+    for name in names:
+        cli("load", name, "--to", "host", "--json")
+    for _ in range(3):
+        listed = json.loads(cli("ls", "--json"))
+    in_host = sum(a["tier"] in ("host", "device") for a in listed)
+    assert in_host >= HOST_ENTRIES, in_host
+    time.sleep(1)
+    with open(f"/proc/{pid}/status") as f:
+        own = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"host_entries": in_host, "daemon_mib": round(own / 1024, 1), "tree_mib": rss_mib(pid)}
 
 
 def profile(count: int) -> None:
@@ -251,6 +292,8 @@ def main() -> None:
         return
     empty = Path(tempfile.mkdtemp(prefix="lct-scale-empty-", dir="/tmp"))
     full = Path(tempfile.mkdtemp(prefix="lct-scale-full-", dir="/tmp"))
+    ten = Path(tempfile.mkdtemp(prefix="lct-scale-ten-", dir="/tmp"))
+    sources = Path(tempfile.mkdtemp(prefix="lct-scale-src-", dir="/tmp"))
     load_before = os.getloadavg()   # other jobs on the machine: read the ratios, not the seconds
     try:
         began = time.perf_counter()
@@ -259,15 +302,25 @@ def main() -> None:
         from loractl import paths
         from loractld.models.tiny import ensure_demo
         ensure_demo(paths.layout(empty).tiny_dir)
+        make_adapters(ten, 10)
+        # Folders to pull, of content no store holds: pull 1 (into the empty store) against pull
+        # N + 1 (into the full one), median of 3 each.
+        make_adapters(sources, 6, first=10 * args.adapters + 1000)
+        folders = sorted((paths.layout(sources).data_dir / "adapters" / "scale").iterdir())
         # Empty, full, empty again: start-up on a shared machine drifts; the ratio is to the mean.
-        first_empty = measure(empty, args.runs, 0)
-        with_adapters = measure(full, args.runs, args.adapters)
+        first_empty = measure(empty, args.runs, 0, pulls=folders[:3])
+        with_adapters = measure(full, args.runs, args.adapters, pulls=folders[3:])
         second_empty = measure(empty, args.runs, 0)
+        with_ten = measure(ten, args.runs, 10)
         empty_startup = (first_empty["startup_s"] + second_empty["startup_s"]) / 2
         report = {
             "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "adapters": args.adapters, "made_in_s": round(made_s, 1), "runs": args.runs,
-            "empty": [first_empty, second_empty], "full": with_adapters,
+            "empty": [first_empty, second_empty], "full": with_adapters, "ten": with_ten,
+            "rss_full_minus_ten_mib": {k: round(with_adapters["rss"][k] - with_ten["rss"][k], 1)
+                                       for k in ("daemon_mib", "tree_mib")},
+            "pull_median_s": {"first (empty store)": statistics.median(first_empty["pull_s"]),
+                              f"number {args.adapters + 1}": statistics.median(with_adapters["pull_s"])},
             "startup_ratio_full_over_empty": round(with_adapters["startup_s"] / empty_startup, 2),
             "load_average_1_5_15_min": {"before": [round(x, 2) for x in load_before],
                                         "after": [round(x, 2) for x in os.getloadavg()]},
@@ -275,6 +328,8 @@ def main() -> None:
     finally:
         shutil.rmtree(empty, ignore_errors=True)
         shutil.rmtree(full, ignore_errors=True)
+        shutil.rmtree(ten, ignore_errors=True)
+        shutil.rmtree(sources, ignore_errors=True)
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
