@@ -93,6 +93,10 @@ class Metrics:
         "loractl_adapter_load_wait_seconds": ("histogram", "Time from admission to first token of a request whose "
                                                            "adapter was not on the device (from: where it was, as "
                                                            "last read): its load and prefill."),
+        "loractl_adapter_prefetch_total": ("counter", "Prefetches to host RAM of adapters waited for at the gate "
+                                                      "(loaded), and per turn of a request that waited: its adapter "
+                                                      "prefetched and still there (hit), on disk (miss), its prefetch "
+                                                      "in flight (late); prefetched adapters evicted unused (wasted)."),
         "loractl_adapter_evictions_total": ("counter", "Adapters that left a tier, by reason."),
         "loractl_adapter_load_failures_total": ("counter", "Adapter loads that failed."),
         "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batching; measured and adaptive (at most, and before anything is measured): after a request for "
                         "another adapter waited this long, an adapter holding a slot stops taking new requests and hands "
                         f"it over (default: {DEFAULT_MAX_WAIT_S})")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="while a request waits at the admission gate for an adapter on disk, load it into host RAM "
+                        "if an entry is free or held by no request (--no-prefetch: only the engine step loads it; "
+                        "docs/benchmarks.md, 'Prefetch at the gate'; default: on)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",
@@ -165,7 +169,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           socket_group=args.socket_group, served_model_name=args.served_model_name,
                           http=http_settings.settings_from(args), admission_policy=args.admission,
                           admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size,
-                          dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull)
+                          dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull,
+                          prefetch=args.prefetch)
 
 
 def _read_template(path: str) -> str:

@@ -5,7 +5,8 @@ admitted, for their adapter's load), each as a rate over the last refresh.
 The daemon's counters (loractld/events.py, ``Metrics.HELP``): ``loractl_adapter_loads_total``,
 ``loractl_adapter_load_bytes_total`` and ``loractl_adapter_evictions_total`` per tier (host: disk
 to host RAM; device: host RAM to a slot), ``loractl_admission_wait_seconds`` (a slot) and
-``loractl_adapter_load_wait_seconds`` (a load, by where the adapter came from) histograms.
+``loractl_adapter_load_wait_seconds`` (a load, by where the adapter came from) histograms, and
+``loractl_adapter_prefetch_total`` by result (the prefetch at the gate, loractld/serving/prefetch.py).
 Counters only grow while the daemon runs, so a rate is a difference of two readings.
 """
 
@@ -19,6 +20,7 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 TIERS = ("host", "device")
 _PER_TIER = {"loractl_adapter_loads_total": "loads", "loractl_adapter_load_bytes_total": "bytes",
              "loractl_adapter_evictions_total": "evictions"}
+PREFETCH = ("loaded", "hit", "miss", "late", "wasted")
 _WAITS = {"loractl_admission_wait_seconds": "slot", "loractl_adapter_load_wait_seconds": "load"}
 
 
@@ -37,6 +39,8 @@ def counters(text: str) -> dict[tuple[str, str], float]:
     for name, labels, value in samples(text):
         if name in _PER_TIER:
             key = (_PER_TIER[name], labels.get("tier", ""))
+        elif name == "loractl_adapter_prefetch_total":
+            key = ("prefetch", labels.get("result", ""))
         elif name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _WAITS:
             base, part = name.rsplit("_", 1)
             kind = _WAITS[base] + (f" from {labels['from']}" if "from" in labels else "")
@@ -64,7 +68,8 @@ def over(before: dict[tuple[str, str], float], after: dict[tuple[str, str], floa
     for kind in sorted({k for k, part in after if part == "count"}):
         count, total = delta((kind, "count")), delta((kind, "sum"))
         waits[kind] = {"requests": int(count), "mean_s": round(total / count, 4) if count else 0.0}
-    return {"seconds": round(elapsed, 3), "tiers": tiers, "waits": waits}
+    prefetch = {result: int(delta(("prefetch", result))) for result in PREFETCH}
+    return {"seconds": round(elapsed, 3), "tiers": tiers, "waits": waits, "prefetch": prefetch}
 
 
 def lines(moved: dict[str, Any]) -> list[str]:
@@ -75,6 +80,8 @@ def lines(moved: dict[str, Any]) -> list[str]:
         arrow = "disk->host" if tier == "host" else "host->dev"
         out.append(f"{arrow:<10} {row['loads_per_s']:>6.1f} {_bytes(row['bytes_per_s']):>10} "
                    f"{row['evictions_per_s']:>12.1f}")
+    shown = moved.get("prefetch", {})
+    out.append("prefetch   " + "  ".join(f"{result} {shown.get(result, 0)}" for result in PREFETCH))
     waited = [f"{kind} {w['requests']} requests, mean {w['mean_s']:.3f} s"
               for kind, w in moved["waits"].items() if w["requests"]]
     out.append("waited for a " + ("; ".join(waited) if waited else "- (no request in this refresh)"))

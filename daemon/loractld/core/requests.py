@@ -215,7 +215,7 @@ class RequestPath:
         try:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
                 ticket = await gate.enter(adapter.engine_id if adapter else None,
-                                          name or (adapter.label if adapter else ""))
+                                          name or (adapter.label if adapter else ""), adapter)
                 label = TicketLabel((("adapter", ticket.label),))
                 label.ticket = ticket
                 yield label

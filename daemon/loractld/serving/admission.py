@@ -60,6 +60,7 @@ class Ticket:
     first_token: float | None = None
     grant: asyncio.Future | None = field(default=None, repr=False)
     load_from: str = ""             # host or disk: where its adapter was when admitted, if not on the device
+    ref: object = field(default=None, repr=False)   # its AdapterRef, for a prefetch (serving/prefetch.py)
 
     @property
     def wait_s(self) -> float:
@@ -256,6 +257,9 @@ class Gate:
         self._pin_waiters: list[tuple[int, asyncio.Future]] = []
         self._ids = itertools.count(1)
         self.measured = Measured()
+        # Told ("queued" | "admitted" | "finished", ticket) after the gate's own bookkeeping: they
+        # only watch (the prefetch, serving/prefetch.py), never change what the gate decided.
+        self.watchers: list[Callable[[str, Ticket], None]] = []
         if hasattr(policy, "bind"):
             policy.bind(self)   # a policy that decides from what the gate measures
 
@@ -317,10 +321,10 @@ class Gate:
                 self.measured.note("handover_s", ticket.first_token - ticket.admitted)
 
     # -- requests ----------------------------------------------------------------------------
-    async def enter(self, key: int | None, label: str) -> Ticket:
+    async def enter(self, key: int | None, label: str, ref: object = None) -> Ticket:
         """Wait until the request may enter the engine; the ticket must be given to :meth:`finish`
-        when the request ends (finished, aborted or failed)."""
-        ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock())
+        when the request ends (finished, aborted or failed). ``ref``: the adapter, for watchers."""
+        ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock(), ref=ref)
         self.tickets[ticket.id] = ticket
         if key is None or key in self.pinned:
             self._admit(ticket)
@@ -331,6 +335,7 @@ class Gate:
             return ticket
         ticket.waited = True
         ticket.grant = asyncio.get_running_loop().create_future()
+        self._tell("queued", ticket)
         try:
             await ticket.grant
         except asyncio.CancelledError:
@@ -352,6 +357,7 @@ class Gate:
                 del self.running[ticket.key]
                 self.turn_began.pop(ticket.key, None)
         self._pump()
+        self._tell("finished", ticket)
 
     # -- device pins -------------------------------------------------------------------------
     async def reserve(self, key: int, *, give_back: bool = True) -> None:
@@ -442,3 +448,8 @@ class Gate:
             ticket.grant.set_result(None)
         if self.on_admit is not None:
             self.on_admit(ticket)
+        self._tell("admitted", ticket)
+
+    def _tell(self, what: str, ticket: Ticket) -> None:
+        for watch in self.watchers:
+            watch(what, ticket)

@@ -189,6 +189,19 @@ class Tiers:
             self.reader.clear_expected()
             return state.residency(adapter.engine_id)
 
+    async def drop(self, engine_id: int, reason: str) -> bool:
+        """Remove ``engine_id`` from both tiers unless a pin holds it (room in host RAM for a
+        prefetch, serving/prefetch.py, which checked that no request needs it). True if removed."""
+        async with self._lock:
+            if self.holds_pin(engine_id):
+                return False
+            for tier in ("host", "device"):
+                self.reader.expect(engine_id, tier, reason)
+            removed = await self.engine.remove_adapter(engine_id)
+            await self.sync()
+            self.reader.clear_expected()
+            return removed
+
     def _refuse_if_held_on_device(self, name: str, engine_id: int, action: str) -> None:
         """Refuse to take ``engine_id`` off the device while a device pin holds it: vLLM drops a
         pinned adapter's pin without a word when it is deactivated, and the gate would keep its
