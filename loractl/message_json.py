@@ -93,30 +93,63 @@ def _writer(descriptor):
 
 def _generate(descriptor):
     """Python source for one message type's writer, compiled; None if a field is of a kind not
-    written here. Each field is one string expression; the run of fields without presence is one
-    list display, a field with presence an append under its HasField."""
+    written here. The writer is one f-string (a single allocation: joining a list of
+    ``key + value`` strings cost a third more at 10,000 adapters): each field one expression
+    after its separator, a field with presence written with its separator under its HasField.
+    A type whose first field (sorted) has presence, or has no fields, is written as a list."""
+    fields = sorted(descriptor.fields, key=lambda f: f.name)
+    if not fields or _present(fields[0]):
+        return _generate_list(descriptor, fields)
+    lines = ["def write(m, nl):", "    i = nl + '  '", "    c = ',' + i"]
+    text = "{{{i}"
+    for n, field in enumerate(fields):
+        expression = _expression(field)
+        if expression is None:
+            return None
+        key = _string(field.name) + ": "
+        if _present(field):
+            lines.append(f"    f{n} = c + {key!r} + {expression} if m.HasField({field.name!r}) else ''")
+            text += f"{{f{n}}}"
+        else:
+            text += ("" if n == 0 else "{c}") + key + "{" + expression + "}"
+    lines.append("    return f'" + text + "{nl}}}'")
+    return _compiled(lines, descriptor)
+
+
+def _present(field) -> bool:
+    return field.has_presence and not field.is_repeated
+
+
+def _expression(field) -> str | None:
+    """The expression of ``field``'s JSON value in ``m`` at indent ``i``, or None: not written
+    here. Its quotes are double (it goes inside the writer's single-quoted f-string)."""
+    read = f'getattr(m, "{field.name}")' if keyword.iskeyword(field.name) else f"m.{field.name}"
+    sub = field.message_type if field.type == F.TYPE_MESSAGE else None
+    if sub is not None and sub.GetOptions().map_entry:
+        encode = _ENCODERS.get(sub.fields_by_name["value"].type)
+        if sub.fields_by_name["key"].type != F.TYPE_STRING or encode is None:
+            return None
+        return f"_map({read}, i, {encode})"
+    if sub is not None:
+        if sub.file.name.startswith("google/protobuf/"):
+            return None
+        return f"_messages({read}, i)" if field.is_repeated else f"_message({read}, i)"
+    if field.type in _ENCODERS:
+        encode = _ENCODERS[field.type]
+        return f"_scalars({read}, i, {encode})" if field.is_repeated else f"{encode}({read})"
+    return None
+
+
+def _generate_list(descriptor, fields):
+    """The writer as a list of ``key + value`` joined (see :func:`_generate`)."""
     lines = ["def write(m, nl):", "    i = nl + '  '", "    items = []"]
     run: list[str] = []
-    for field in sorted(descriptor.fields, key=lambda f: f.name):
-        read = f"getattr(m, {field.name!r})" if keyword.iskeyword(field.name) else f"m.{field.name}"
-        key = repr(_string(field.name) + ": ")
-        sub = field.message_type if field.type == F.TYPE_MESSAGE else None
-        if sub is not None and sub.GetOptions().map_entry:
-            encode = _ENCODERS.get(sub.fields_by_name["value"].type)
-            if sub.fields_by_name["key"].type != F.TYPE_STRING or encode is None:
-                return None
-            expression = f"{key} + _map({read}, i, {encode})"
-        elif sub is not None:
-            if sub.file.name.startswith("google/protobuf/"):
-                return None
-            expression = f"{key} + " + (f"_messages({read}, i)" if field.is_repeated else f"_message({read}, i)")
-        elif field.type in _ENCODERS:
-            encode = _ENCODERS[field.type]
-            expression = f"{key} + " + (f"_scalars({read}, i, {encode})" if field.is_repeated
-                                        else f"{encode}({read})")
-        else:
+    for field in fields:
+        expression = _expression(field)
+        if expression is None:
             return None
-        if field.has_presence and not field.is_repeated:
+        expression = f"{_string(field.name) + ': '!r} + {expression}"
+        if _present(field):
             if run:
                 lines.append(f"    items += [{', '.join(run)}]")
                 run = []
@@ -126,6 +159,10 @@ def _generate(descriptor):
     if run:
         lines.append(f"    items += [{', '.join(run)}]")
     lines.append("    return '{' + i + (',' + i).join(items) + nl + '}' if items else '{}'")
+    return _compiled(lines, descriptor)
+
+
+def _compiled(lines: list[str], descriptor):
     scope = {"_string": _string, "_bool": _bool, "_double": _double, "_int": int.__repr__, "_map": _map,
              "_messages": _messages, "_message": _message, "_scalars": _scalars}
     exec(compile("\n".join(lines), f"<message_json {descriptor.full_name}>", "exec"), scope)   # noqa: S102

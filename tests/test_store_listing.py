@@ -119,3 +119,37 @@ def test_every_reply_decodes_and_prints_as_json_format_and_json_dumps_do():
             assert dumps_indented(data) == json.dumps(data, indent=2, sort_keys=True), name
             assert messages_json([message, message]) in (None, dumps_indented([data, data])), name
     assert messages_json(pb.ListReply(adapters=[_filled(pb.Adapter)] * 2).adapters) is not None   # ls's own path
+
+
+def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
+    """ListedMessages joins each adapter's bytes made once from its manifest's view with the
+    bytes of the fields its listing's copy changed; decoded, that is the message made afresh —
+    for fields set to other values, to their proto default (slot 0: not encoded, so the whole
+    message is made instead), a list changed, a view with no base, and on later asks with some
+    bases kept and one replaced."""
+    from loractl.v1 import loractl_pb2 as pb
+    from loractld.api.grpc_service import ListedMessages, adapter_message
+    from loractld.views import AdapterView, MergeView
+
+    def base(i: int) -> AdapterView:
+        return AdapterView(name=f"org/a{i}", source="local", rank=4, alpha=8.0, target_modules=["q_proj"],
+                           size_bytes=1000 + i, files=[{"name": "w", "size": 10, "sha256": "ab" * 32}],
+                           path=f"/s/a{i}", merge=MergeView(method="cat", rank=8) if i == 3 else None)
+
+    def listing(bases: list[AdapterView]) -> list[AdapterView]:
+        views = [b.copy() for b in bases]
+        views[1].tier, views[1].slot, views[1].requests, views[1].last_used = "device", 1, 5, 12.5
+        views[2].tier, views[2].slot, views[2].pin, views[2].pinned = "device", 0, "device", True   # slot 0: a default
+        views[3].state, views[3].error = "failed", "bad (fix it)"
+        views[4].normalized = ["renamed"]                                                       # a list changed
+        return views + [base(9)]                                                                # no base
+
+    bases, listed = [base(i) for i in range(6)], ListedMessages()
+    for ask in range(3):
+        if ask == 2:
+            bases[0] = base(0)   # its store entry changed: a new view, its bytes made again
+            bases[0].rank = 16
+        views = listing(bases)
+        reply = listed.reply(views)
+        assert reply == pb.ListReply(adapters=[adapter_message(v) for v in views]), ask
+        assert reply.adapters[2].slot == 0 and reply.adapters[0].rank == (16 if ask == 2 else 4)

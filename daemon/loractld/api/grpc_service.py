@@ -300,38 +300,60 @@ class LoractlService(LoractlBase):
 
 
 _ADAPTER_FIELDS = tuple(f.name for f in dataclasses.fields(AdapterView))
+_SCALARS = (str, int, float, bool)
 
 
 class ListedMessages:
-    """``ListReply``s of listings, each adapter's message copied from the one made of its
-    manifest's view (``AdapterView.base``, the same object while its store entry is unchanged),
-    with the fields its listing's copy changed set again: at 10,000 adapters building each
-    message afresh was most of the reply's cost. Holds the messages of the last listing only."""
+    """``ListReply``s of listings made from wire bytes kept per adapter: each adapter's message
+    is serialized once from its manifest's view (``AdapterView.base``, the same object while its
+    store entry is unchanged) and a listing's copy adds the bytes of only the fields it holds
+    other values in. Protobuf merges concatenated encodings of a message field by field, the
+    last value of a scalar winning, so base + delta decodes as the listing's message; a delta
+    whose field is its proto default (not encoded) or not a scalar takes the whole message
+    instead. The reply is one parse of the joined bytes (C): at 10,000 adapters copying and
+    setting 10,000 messages in Python was most of the reply's cost. Holds the bytes of the last
+    listing only."""
 
     def __init__(self) -> None:
-        self._made: dict[int, tuple[AdapterView, pb.Adapter]] = {}
+        self._made: dict[int, tuple[AdapterView, bytes, bytes]] = {}   # id(base): (base, bytes, framed)
 
     def reply(self, views: list[AdapterView]) -> pb.ListReply:
-        reply, made = pb.ListReply(), {}
+        return pb.ListReply.FromString(self.reply_bytes(views))
+
+    def reply_bytes(self, views: list[AdapterView]) -> bytes:
+        """The encoded ``ListReply`` of ``views``."""
+        parts, made, held_before = [], {}, self._made
         for view in views:
             fields = view.__dict__
             base = fields.get("base")
-            if base is not None:
-                held = self._made.get(id(base))
-                if held is None or held[0] is not base:   # id() is a key only while the view lives: kept
-                    held = (base, adapter_message(base))
-                made[id(base)] = held
-                base_fields = base.__dict__
-                changed = [(k, v) for k, v in fields.items() if k != "base" and base_fields.get(k) is not v]
-                if all(type(v) in (str, int, float, bool) for _, v in changed):
-                    message = reply.adapters.add()
-                    message.CopyFrom(held[1])
-                    for name, value in changed:
-                        setattr(message, name, value)
-                    continue
-            reply.adapters.append(adapter_message(view))
+            if base is None:
+                parts.append(_framed(adapter_message(view).SerializeToString()))
+                continue
+            held = held_before.get(id(base))
+            if held is None or held[0] is not base:   # id() is a key only while the view lives: kept
+                encoded = adapter_message(base).SerializeToString()
+                held = (base, encoded, _framed(encoded))
+            made[id(base)] = held
+            base_fields = base.__dict__
+            changed = {k: v for k, v in fields.items() if base_fields.get(k) is not v and k != "base"}
+            if not changed:
+                parts.append(held[2])
+            elif all(type(v) in _SCALARS and v for v in changed.values()):
+                parts.append(_framed(held[1] + pb.Adapter(**changed).SerializeToString()))
+            else:
+                parts.append(_framed(adapter_message(view).SerializeToString()))
         self._made = made
-        return reply
+        return b"".join(parts)
+
+
+def _framed(encoded: bytes) -> bytes:
+    """``encoded`` as one element of ``ListReply.adapters`` (field 1, length-delimited)."""
+    size, prefix = len(encoded), bytearray(b"\x0a")
+    while size >= 0x80:
+        prefix.append(size & 0x7F | 0x80)
+        size >>= 7
+    prefix.append(size)
+    return bytes(prefix) + encoded
 
 
 def adapter_message(view: AdapterView) -> pb.Adapter:
