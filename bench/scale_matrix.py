@@ -192,6 +192,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--cells", default=None, help="comma-separated cell names, e.g. uniform/32/closed")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
+                   help="loractld --prefetch or --no-prefetch (docs/benchmarks.md, 'Prefetch at the gate'; default: off)")
     p.add_argument("--quick", action="store_true", help="smoke run: 24 adapters, 8 clients, 2 cells, 1 round")
     p.add_argument("--workdir")
     p.add_argument("--out")
@@ -213,7 +215,8 @@ def main() -> None:
     home.mkdir(parents=True)
     place(home, names, paths, args.store)
     specs = cells(args)
-    daemon = _setup.Daemon(str(model_dir), args, home, ["--admission", "measured"])
+    daemon = _setup.Daemon(str(model_dir), args, home, ["--admission", "measured"]
+                           + (["--prefetch"] if args.prefetch else ["--no-prefetch"]))
     server = None
     try:
         server = start_server(str(model_dir), names, paths, args, work / "server.log")

@@ -131,6 +131,7 @@ def launched(model: str, names: list[str], paths: list[Path], args, work: Path, 
     with ThreadPoolExecutor(4) as pool:
         for system in wanted:
             policy, _, wait = system.partition("@")   # "batching@0.02": that policy, that --admission-max-wait
+            policy, _, flag = policy.partition("+")   # "measured+no-prefetch": that policy, --no-prefetch
             if policy in POLICIES:
                 home = work / f"home-{system}"
                 shutil.rmtree(home, ignore_errors=True)
@@ -141,6 +142,7 @@ def launched(model: str, names: list[str], paths: list[Path], args, work: Path, 
                 wait = wait or (str(args.max_wait) if args.max_wait is not None else "")
                 if policy != "first-come" and wait:
                     extra += ["--admission-max-wait", wait]
+                extra += [f"--{flag}"] if flag else []
                 jobs[system] = pool.submit(_setup.Daemon, model, args, home, extra)
         if "server" in wanted:
             jobs["server"] = pool.submit(start_server, model, server_names(names), paths, args, work / "server.log")

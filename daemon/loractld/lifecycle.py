@@ -76,7 +76,7 @@ class DaemonSettings:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES   # the largest gRPC request message read
     dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
     auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.core.ondemand)
-    prefetch: bool = True       # waiting requests' adapters loaded to host RAM (loractld.serving.prefetch)
+    prefetch: bool = False      # waiting requests' adapters loaded to host RAM (loractld.serving.prefetch): off, measured
 
 
 def resolve_model(model: str, home: str | None, report: Report | None = None) -> str:

@@ -122,10 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batching; measured and adaptive (at most, and before anything is measured): after a request for "
                         "another adapter waited this long, an adapter holding a slot stops taking new requests and hands "
                         f"it over (default: {DEFAULT_MAX_WAIT_S})")
-    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="while a request waits at the admission gate for an adapter on disk, load it into host RAM "
-                        "if an entry is free or held by no request (--no-prefetch: only the engine step loads it; "
-                        "docs/benchmarks.md, 'Prefetch at the gate'; default: on)")
+                        "if an entry is free or held by no request (--no-prefetch: only the engine step loads it); "
+                        "default: off, as it did not pay on CPU (docs/benchmarks.md, 'Prefetch at the gate')")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
     p.add_argument("--socket-group", metavar="GROUP",

@@ -68,8 +68,15 @@ class Prefetcher:
 
     # -- the gate's news ----------------------------------------------------------------------
     def _watch(self, what: str, ticket: Ticket) -> None:
+        """Called inside the gate's pump: never raises into it."""
         if ticket.key is None:
             return
+        try:
+            self._news(what, ticket)
+        except Exception:   # noqa: BLE001 - the gate's bookkeeping must go on whatever happens here
+            _log.exception("prefetch: watching the gate failed")
+
+    def _news(self, what: str, ticket: Ticket) -> None:
         if what == "admitted":
             self._admitted(ticket)
         elif what == "finished":
