@@ -153,3 +153,22 @@ def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
         reply = listed.reply(views)
         assert reply == pb.ListReply(adapters=[adapter_message(v) for v in views]), ask
         assert reply.adapters[2].slot == 0 and reply.adapters[0].rank == (16 if ask == 2 else 4)
+
+
+def test_garbage_collection_keeps_every_linked_object(tmp_path, demo):
+    """collect_garbage finds what names link to by a walk of names (no listing: after a pull or
+    rm the kept listing is void, and reading 10,000 entries again made pull number 10,001 ten
+    times the first): objects linked at the top and under an org folder stay, an unlinked one goes."""
+    store = Store(tmp_path / "adapters")
+    source = demo / "adapters" / "poet" / "v1"
+    shutil.copytree(source, store.root / "org" / "by-hand")
+    installed = []
+    for name in ("top", "org/pulled"):
+        with store.staging() as staged:
+            shutil.copytree(source, staged, dirs_exist_ok=True)
+            installed.append(store.install(name, staged, {"files": [
+                {"name": n, "size": (staged / n).stat().st_size, "sha256": "0" * 64} for n in os.listdir(staged)]}))
+    orphan = store.objects / "1-orphan"
+    orphan.mkdir()
+    assert store.collect_garbage() == [str(orphan)]
+    assert all(a.path.is_dir() for a in installed) and (store.root / "org" / "by-hand").is_dir()

@@ -181,6 +181,29 @@ class Store:
             write_json_atomic(marker, {"format": STORE_FORMAT, "written_by": f"loractl {__version__}"})
 
     # -- reading ------------------------------------------------------------------------
+    def _link_targets(self) -> set[str]:
+        """The real path of every object a name links to (pulled adapters, damaged ones too):
+        what ``collect_garbage`` keeps. A walk of names (scandir: a folder's entry types come
+        with it, no stat per entry) and a readlink per link, not a listing: every pull and rm
+        collects garbage right after changing the store, when the kept listing is void, and
+        listing 10,000 hand-placed adapters again made pull number 10,001 ten times the first.
+        Objects are never links, so a link's target joined to its folder's real path is real."""
+        targets = set()
+
+        def links_in(folder: str, depth: int) -> None:
+            real = None
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name.startswith("."):
+                        continue
+                    if entry.is_symlink():
+                        real = real or os.path.realpath(folder)
+                        targets.add(os.path.normpath(os.path.join(real, os.readlink(entry.path))))
+                    elif depth == 1 and entry.is_dir(follow_symlinks=False):
+                        links_in(entry.path, 2)
+        links_in(self._root_str, 1)
+        return targets
+
     def _links(self) -> list[Path]:
         found = []
         for entry in sorted(self.root.iterdir()):
@@ -423,7 +446,7 @@ class Store:
         """Delete installed objects no name links to, unless a lease, an install in flight or
         ``keep`` holds them; under the store's lock, so that none of those can change meanwhile."""
         with self.lock:
-            referenced = {str(a.path) for a in self.list() if not a.hand_placed} | set(keep)
+            referenced = self._link_targets() | set(keep)
             held = self.leases.kept()
             removed = []
             for obj in self.objects.iterdir():
