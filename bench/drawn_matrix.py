@@ -5,6 +5,12 @@ hand-over rule was changed.
 
     .venv/bin/python bench/drawn_matrix.py --print-shapes          # the shapes, no engine
     .venv/bin/python bench/drawn_matrix.py --rounds 3 --out bench/results/drawn-cpu.json
+    .venv/bin/python bench/drawn_matrix.py --model tiny-random --shapes held-out-2,held-out-3 --systems measured,server
+
+``--model tiny-random``: ``bench/make_model.py --shape tiny`` (the demo model's shapes, random
+weights of its own, stored in bfloat16, served in float32 as the demo model is), built once in
+the work folder: the "two-layer random model" of issue 48, item 5 (docs/benchmarks.md, "The
+tail on fast steps").
 
 Draws (``DRAW_SEED``, ``DRAWN`` shapes, in this order from one ``random.Random``):
 adapters uniform 3-32; device slots (``max_loras``) uniform 1-4; host entries
@@ -29,6 +35,7 @@ import argparse
 import asyncio
 import math
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +74,15 @@ TRAIN = [
                  "tokens": 40, "arrival": "closed"}),
 ]
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p999_ms")
+
+
+def tiny_random(work: Path) -> Path:
+    """``bench/make_model.py --shape tiny`` in ``work`` (built once; its weights are seeded)."""
+    folder = work / "tiny-random"
+    if not (folder / "config.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("make_model.py")), "--shape", "tiny",
+                        "--out", str(folder)], check=True, stdout=subprocess.DEVNULL)
+    return folder
 
 
 def log_uniform(rng: random.Random, low: float, high: float) -> float:
@@ -184,6 +200,8 @@ def main() -> None:
     wanted = args.systems.split(",")
     args.adapters = max(args.adapters, *(spec["adapters"] for spec in cells))
     work = _setup.workdir(args.workdir)
+    if args.model == "tiny-random":
+        args.model = str(tiny_random(work))
     model, paths = _setup.prepare(args.model, args.adapters, args.rank, work)
     began = time.monotonic()
     results = {spec["name"]: {"spec": spec, "rounds": []} for spec in cells}
