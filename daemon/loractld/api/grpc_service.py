@@ -315,7 +315,7 @@ class ListedMessages:
     listing only."""
 
     def __init__(self) -> None:
-        self._made: dict[int, tuple[AdapterView, bytes, bytes]] = {}   # id(base): (base, bytes, framed)
+        self._made: dict[int, tuple[AdapterView, bytes]] = {}   # id(base): (base, its framed bytes)
 
     def reply(self, views: list[AdapterView]) -> pb.ListReply:
         return pb.ListReply.FromString(self.reply_bytes(views))
@@ -331,19 +331,27 @@ class ListedMessages:
                 continue
             held = held_before.get(id(base))
             if held is None or held[0] is not base:   # id() is a key only while the view lives: kept
-                encoded = adapter_message(base).SerializeToString()
-                held = (base, encoded, _framed(encoded))
+                held = (base, _framed(adapter_message(base).SerializeToString()))
             made[id(base)] = held
             base_fields = base.__dict__
             changed = {k: v for k, v in fields.items() if base_fields.get(k) is not v and k != "base"}
             if not changed:
-                parts.append(held[2])
-            elif all(type(v) in _SCALARS and v for v in changed.values()):
-                parts.append(_framed(held[1] + pb.Adapter(**changed).SerializeToString()))
+                parts.append(held[1])
+            elif all(type(v) in _SCALARS and v for v in changed.values()):   # the base's bytes unframed, then these
+                parts.append(_framed(_unframed(held[1]) + pb.Adapter(**changed).SerializeToString()))
             else:
                 parts.append(_framed(adapter_message(view).SerializeToString()))
         self._made = made
         return b"".join(parts)
+
+
+def _unframed(framed: bytes) -> bytes:
+    """The message in ``framed`` (:func:`_framed`): after its tag and its size's varint bytes.
+    Only the framed bytes are kept (10,000 adapters' twice was 4.7 MB more of RSS)."""
+    start = 1
+    while framed[start] & 0x80:
+        start += 1
+    return framed[start + 1:]
 
 
 def _framed(encoded: bytes) -> bytes:
