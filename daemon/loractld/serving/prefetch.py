@@ -50,11 +50,9 @@ DEFAULT_IN_FLIGHT = 1   # vLLM loads one adapter per utility call anyway; a seco
 class Prefetcher:
     """Watches the gate (``Gate.watchers``) and loads waiting adapters to host RAM."""
 
-    def __init__(self, tiers: Tiers, gate: Gate, *, enabled: bool = True,
-                 max_in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+    def __init__(self, tiers: Tiers, gate: Gate, *, max_in_flight: int = DEFAULT_IN_FLIGHT) -> None:
         self.tiers = tiers
         self.gate = gate
-        self.enabled = enabled
         self.max_in_flight = max_in_flight
         self.in_flight: dict[int, asyncio.Task] = {}
         self.fetched: set[int] = set()   # brought to host by a prefetch, no turn of theirs admitted since
@@ -81,7 +79,7 @@ class Prefetcher:
             self._admitted(ticket)
         elif what == "finished":
             self._blocked = False   # a request ended: an entry it needed may be free to take now
-        if self.enabled and self.gate.queue and not self._blocked:
+        if self.gate.queue and not self._blocked:
             self.poke()
 
     def _admitted(self, ticket: Ticket) -> None:
@@ -129,9 +127,13 @@ class Prefetcher:
             if key is None or key in seen or key in self.gate.running or key in self.in_flight:
                 continue
             seen.add(key)
-            if key not in state.host and key not in state.device and getattr(t, "ref", None) is not None:
+            if key not in state.host and key not in state.device and t.ref is not None:
                 out.append(t)
         return out
+
+    def _needed(self) -> set[int | None]:
+        """The adapters of every request at the gate, admitted or waiting."""
+        return {t.key for t in self.gate.tickets.values()}
 
     def room(self, state: EngineState) -> int | None:
         """Where one more adapter may go in host RAM without evicting anything a request needs:
@@ -139,12 +141,12 @@ class Prefetcher:
         the gate needs and no prefetch is loading (removed first); None: nowhere, wait."""
         if len(state.host) + len(self.in_flight) < state.host_capacity:
             return 0
-        needed = {t.key for t in self.gate.tickets.values()} | set(self.in_flight)
+        needed = self._needed() | set(self.in_flight)
         pinned = state.pinned | state.pinned_device
         return next((i for i in state.host if i not in pinned and i not in needed), None)
 
     async def _one_pass(self) -> None:
-        while self.enabled and len(self.in_flight) < self.max_in_flight:
+        while len(self.in_flight) < self.max_in_flight:
             if not self._wanted(self.tiers.last_state):
                 return   # as last read, nothing waits for an adapter off the tiers: no read
             state = await self.tiers.sync()
@@ -170,7 +172,7 @@ class Prefetcher:
         try:
             # An entry vLLM's LRU would not pick (it evicts the oldest, which a request may need):
             # taken out first, so that the load finds it free.
-            if victim and (victim in {t.key for t in self.gate.tickets.values()}   # asked for meanwhile
+            if victim and (victim in self._needed()   # asked for meanwhile
                            or not await self.tiers.drop(victim, reason="prefetch")):
                 return
             await self.tiers.load(ticket.label, "host", reason="prefetch", adapter=ticket.ref)
@@ -183,5 +185,5 @@ class Prefetcher:
         finally:
             del self.in_flight[key]
             self._blocked = False
-            if self.enabled and self.gate.queue:
+            if self.gate.queue:
                 self.poke()
