@@ -10,7 +10,8 @@ cancelled at its first ``await``, which grpclib reports as ``DEADLINE_EXCEEDED``
 answer a call that runs out of time later gets. A handler that finishes without awaiting
 answers normally, as gRPC allows.
 
-Invariant: only the expired-on-arrival case changes; with time left the base class runs.
+Invariant: with time left, the timer fires when it runs out, as grpclib's own; only the
+expired-on-arrival case answers differently.
 """
 
 from __future__ import annotations
@@ -27,12 +28,10 @@ from grpclib.utils import DeadlineWrapper
 class ExpiredOnArrivalDeadlineWrapper(DeadlineWrapper):
     @contextmanager
     def start(self, deadline: Deadline) -> Iterator[None]:
-        if deadline.time_remaining():
-            with super().start(deadline):
-                yield
-            return
-        timer = asyncio.get_running_loop().call_soon(
-            self.cancel, asyncio.TimeoutError("Deadline exceeded"))
+        # The time left is read once: calling the base class after a check of our own read it
+        # twice, and a call whose deadline passed between the two reads still got UNKNOWN.
+        timer = asyncio.get_running_loop().call_later(
+            deadline.time_remaining(), self.cancel, asyncio.TimeoutError("Deadline exceeded"))
         try:
             yield
         finally:
