@@ -303,6 +303,10 @@ def start_server(model: str, names: list[str], paths: list[Path], args, log: Pat
     if args.device == "cpu":
         cmd += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
                 str(_setup.parse_kv(args.kv_cache) or 256 << 20)]
+    elif args.kv_cache:
+        # The same KV cache as the daemon's: a fair comparison, and on a shared GPU the server
+        # then does not size its cache from 90% of memory while a daemon starts beside it.
+        cmd += ["--kv-cache-memory-bytes", str(_setup.parse_kv(args.kv_cache))]
     if args.max_num_seqs:
         cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -28,12 +28,17 @@
 #   GPU_CHECK_WORK     scratch (models, adapters, daemon homes, the demo's 0.5 GB; default: a new
 #                      folder under ${TMPDIR:-/tmp}); the logs worth keeping are copied to the output.
 #   GPU_CHECK_MODEL    the benchmarks' --model (default: tiny, the embedded test model; or a folder
-#                      from bench/make_model.py; every engine here shares the one GPU, so a model
-#                      must fit beside vLLM's server, which takes 90% of the GPU's memory)
-#   GPU_CHECK_KV       the benchmarks' --kv-cache for loractld and in-process AsyncLLM (default 1GiB)
+#                      from bench/make_model.py; every engine here shares the one GPU, and vLLM
+#                      starts an engine only while 90% of its memory is free, so the engines beside
+#                      it must take under 10%)
+#   GPU_CHECK_KV       the benchmarks' --kv-cache for loractld, vLLM's server and in-process AsyncLLM
+#                      (default 1GiB)
 #   GPU_CHECK_THRASH_SYSTEMS  thrash_bench's --systems (default: batching,server)
 #   GPU_CHECK_TIMEOUT  seconds allowed to each step (default: per step, 120 s to 2400 s)
 #   LORACTL_DEMO_WHEEL the demo model's wheel on an offline machine (daemon/loractld/models/demo.py)
+#   GPU_CHECK_STEPS    the steps to run, comma-separated (default: all): e.g.
+#                      env,selfcheck-cuda,serve-vs-server,thrash when a lent machine has minutes, not
+#                      hours; env always runs, and a step left out is listed as skipped
 set -uo pipefail
 
 die() {  # die MESSAGE HINT: the one-line error and its hint, before anything was written
@@ -54,6 +59,16 @@ if [ "$gpu_rc" -ne 0 ] || ! grep -Eq '^GPU [0-9]+:' <<<"$gpu_list"; then
   die "no NVIDIA GPU found (nvidia-smi -L lists none)" \
       "nvidia-smi -L exited $gpu_rc and printed: ${said:-nothing}; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
 fi
+
+# -- the steps asked for: checked before anything is written ---------------------------------
+STEPS=${GPU_CHECK_STEPS:-all}
+for wanted_step in ${STEPS//,/ }; do
+  case $wanted_step in
+    all | env | selfcheck-auto | selfcheck-cuda | demo | serve-vs-server | serve-vs-asyncllm | thrash) ;;
+    *) die "GPU_CHECK_STEPS names an unknown step: $wanted_step" \
+           "choose from env, selfcheck-auto, selfcheck-cuda, demo, serve-vs-server, serve-vs-asyncllm, thrash" ;;
+  esac
+done
 
 caller_pwd=$PWD
 script_dir=${BASH_SOURCE[0]%/*}
@@ -122,6 +137,13 @@ began_all=$SECONDS
 say() { echo "gpu_check: $*"; }
 
 limit_for() { echo "${GPU_CHECK_TIMEOUT:-$1}"; }
+
+SKIPPED=()
+wanted() {  # wanted NAME: true if GPU_CHECK_STEPS selects the step (else it is listed as skipped)
+  [[ $STEPS == all || ,$STEPS, == *",$1,"* ]] && return 0
+  SKIPPED+=("$1")
+  return 1
+}
 
 bounded() {  # bounded SECONDS CMD...: CMD under `timeout` (SIGINT first: Python's cleanups run), waited for
   local limit=$1
@@ -241,6 +263,7 @@ summary() {  # the table, also in summary.txt; fails if any step failed
       printf '  %-4s  %-18s %6s s  %s\n' "${STEP_RESULTS[$i]}" "${STEP_NAMES[$i]}" "${STEP_SECONDS[$i]}" "${STEP_NOTES[$i]}"
     done
     [ -n "${INTERRUPTED:-}" ] && echo "  (interrupted: the steps after these did not run)"
+    [ "${#SKIPPED[@]}" -gt 0 ] && echo "  skipped (GPU_CHECK_STEPS=$STEPS): ${SKIPPED[*]}"
     echo "gpu_check: $n_pass passed, $n_fail failed in $((SECONDS - began_all)) s"
     echo "gpu_check: everything is in $OUT (env.txt, one log per step, summary.txt)"
     if [ "${#figures[@]}" -gt 0 ]; then
@@ -333,6 +356,7 @@ fi
 
 # -- b. the self-check, --device auto and --device cuda -----------------------------------------
 for device in auto cuda; do
+  wanted "selfcheck-$device" || continue
   log=$OUT/selfcheck-$device.log
   step "selfcheck-$device" "$(limit_for 900)" "$log" "$PY" -m loractld.selfcheck --device "$device"
   line=$(grep -m 1 '^selfcheck: ' "$log" || true)
@@ -356,7 +380,9 @@ demo_blocker() {
 }
 log=$OUT/demo.log
 blocker=$(demo_blocker)
-if [ -n "$blocker" ]; then
+if ! wanted demo; then
+  :
+elif [ -n "$blocker" ]; then
   say "[demo] bash scripts/demo.sh: not run"
   echo "not run: $blocker" >"$log"
   record demo FAIL 0 "not run: $blocker"
@@ -383,13 +409,14 @@ fi
 
 # -- d. the head-to-head with vLLM's own OpenAI server, reduced -----------------------------------
 # bench/_setup.py starts "$(dirname sys.executable)/loractld": it must sit beside the interpreter.
-# Every engine shares the one GPU: loractld and AsyncLLM get --kv-cache "$KV"; vLLM's server (to
-# which serve_bench passes a KV size only on the CPU) takes vLLM's default 90% of the GPU, and vLLM
-# refuses to start an engine while less than that is free, so the server never shares a run with
-# AsyncLLM: serve_bench runs twice, once against each.
+# Every engine shares the one GPU and gets --kv-cache "$KV" (serve_bench passes it to vLLM's server
+# as --kv-cache-memory-bytes). vLLM still refuses to start an engine while less than 90% of the
+# GPU's memory is free (its default --gpu-memory-utilization): each engine beside it must stay under
+# 10%. serve_bench runs twice, once against each baseline, to keep each run to two engines.
 bench_step() {  # bench_step NAME JSON WORKDIR ARGS...
   local name=$1 json=$2 work=$3 log=$OUT/$1.log
   shift 3
+  wanted "$name" || return 0
   if [ ! -x "$PY_BIN/loractld" ]; then
     echo "not run: bench/_setup.py starts $PY_BIN/loractld (beside the interpreter), which does not exist" >"$log"
     say "[$name] not run"

@@ -110,3 +110,30 @@ def test_a_python_that_is_not_there_is_refused(tmp_path):
     error, hint = _refused(result, tmp_path)
     assert error == f"gpu_check: error: GPU_CHECK_PYTHON={tmp_path / 'no-such-python'} is not an executable file"
     assert "GPU_CHECK_PYTHON" in hint
+
+
+def test_an_unknown_step_is_refused_before_anything_is_written(tmp_path):
+    _fake_nvidia_smi(tmp_path / "bin", ONE_GPU)
+    marker = tmp_path / "python-ran"
+    python = _executable(tmp_path / "python", f"#!/bin/sh\ntouch '{marker}'\nexit 0\n")
+    result = _run(tmp_path, f"{tmp_path / 'bin'}{os.pathsep}{_path_without_nvidia_smi()}",
+                  GPU_CHECK_PYTHON=str(python), GPU_CHECK_STEPS="env,selfcheck")
+    error, hint = _refused(result, tmp_path)
+    assert error == "gpu_check: error: GPU_CHECK_STEPS names an unknown step: selfcheck"
+    assert "selfcheck-cuda" in hint and "thrash" in hint
+    assert not marker.exists()
+
+
+def test_the_steps_left_out_are_skipped_and_named(tmp_path):
+    # An interpreter that imports everything and prints nothing: only the env step can pass, and
+    # every other step must be skipped, not run (a run would fail: it prints no selfcheck line).
+    _fake_nvidia_smi(tmp_path / "bin", ONE_GPU)
+    python = _executable(tmp_path / "python", "#!/bin/sh\nexit 0\n")
+    result = _run(tmp_path, f"{tmp_path / 'bin'}{os.pathsep}{_path_without_nvidia_smi()}",
+                  GPU_CHECK_PYTHON=str(python), GPU_CHECK_STEPS="env")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "PASS  env" in summary and "1 passed, 0 failed" in summary
+    assert ("skipped (GPU_CHECK_STEPS=env): selfcheck-auto selfcheck-cuda demo serve-vs-server "
+            "serve-vs-asyncllm thrash") in summary
+    assert not list((tmp_path / "out").glob("selfcheck-*.log"))
