@@ -17,7 +17,7 @@ def _settled(store: Store) -> list[str]:
     deadline = time.monotonic() + 10
     while True:
         names = [a.name for a in store.list()]
-        if store._listing is not None:
+        if store._listing is not None and store._listing[1].trusted:
             return names
         assert time.monotonic() < deadline, "the listing was never kept"
         time.sleep(0.2)
@@ -63,6 +63,39 @@ def test_a_kept_listing_shows_every_change_on_the_next_ask(tmp_path, demo):
     store.remove("pulled/v1")
     assert "pulled/v1" not in [a.name for a in store.list()]
 
+
+
+def test_a_store_write_reads_again_only_the_folder_it_changed(tmp_path, demo):
+    """A pull or rm (or the registry entry written after it) lists again without reading an org
+    folder it did not touch (issue 48: 10,000 hand-placed adapters read again per pull), and the
+    listing still equals a fresh store's and shows hand changes anywhere on the next ask, even in
+    the folder written a moment ago (racy, so read again)."""
+    store = Store(tmp_path / "adapters")
+    source = demo / "adapters" / "poet" / "v1"
+    org = store.root / "org"
+    for name in ("a", "b"):
+        shutil.copytree(source, org / name)
+    _settled(store)
+    org_part = store._listing[1].parts[str(org)]
+
+    def fresh() -> list[str]:
+        return [a.name for a in Store(store.root).list()]
+
+    with store.staging() as staged:
+        shutil.copytree(source, staged, dirs_exist_ok=True)
+        store.install("pulled/v1", staged, {"files": [{"name": n, "size": (staged / n).stat().st_size,
+                                                       "sha256": "0" * 64} for n in os.listdir(staged)]})
+    listed = [a.name for a in store.list()]
+    assert listed == ["org/a", "org/b", "pulled/v1"] == fresh()
+    assert store._listing[1].parts[str(org)] is org_part        # org/ was not read again
+    shutil.copytree(source, store.root / "pulled" / "hand")     # racy folder, changed by hand
+    shutil.copytree(source, org / "c")                          # the reused folder, changed by hand
+    assert [a.name for a in store.list()] == ["org/a", "org/b", "org/c", "pulled/hand", "pulled/v1"] == fresh()
+    _settled(store)
+    org_part = store._listing[1].parts[str(org)]
+    store.remove("pulled/v1")
+    assert [a.name for a in store.list()] == ["org/a", "org/b", "org/c", "pulled/hand"] == fresh()
+    assert store._listing[1].parts[str(org)] is org_part
 
 def _filled(cls, depth: int = 0):
     """A message of ``cls`` with every field set (nested messages to a depth of two)."""

@@ -224,9 +224,19 @@ class Store:
         if kept is not None and kept[0] == self._generation and kept[1].holds():
             return list(kept[2])
         generation = self._generation
-        walk = listing.scan(self._root_str)   # stats before reads: a racing change shows next time
+        # Stats before reads: a racing change shows next time. Folders unchanged since the kept
+        # listing are not read again, nor are their adapters (the same parts, the same entries).
+        walk = listing.scan(self._root_str, kept[1] if kept is not None else None)
+        same = {}
+        if kept is not None:
+            reused = {name for path, part in walk.parts.items() if kept[1].parts.get(path) is part
+                      for name, _ in part.found}
+            same = {a.name: a for a in kept[2] if a.name in reused}
         adapters = []
         for name, path in walk.found:
+            if (adapter := same.get(name)) is not None:
+                adapters.append(adapter)
+                continue
             entry = Path(path)
             if not NAME_RE.match(name):
                 _log.warning("ignoring %s: %r is not a valid adapter name", entry, name)
@@ -241,7 +251,8 @@ class Store:
                 adapters.append(StoredAdapter(name, entry.resolve(), {"files": [], "damaged": str(e)}, False))
         # Refused or damaged entries are read (and warned about) again on every ask, as before.
         clean = len(adapters) == len(walk.found) and not any("damaged" in a.manifest for a in adapters)
-        self._listing = (generation, walk, adapters) if clean and walk.trusted else None
+        # Kept even if some folder is racy: its other folders are reused by the next ask.
+        self._listing = (generation, walk, adapters) if clean else None
         return list(adapters)
 
     def _note_damaged(self, name: str, why: str) -> None:

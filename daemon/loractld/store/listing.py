@@ -13,6 +13,11 @@ listing; :meth:`Scan.holds` checks those stats again (one ``lstat`` each, no rea
   file replaced or removed. A pulled adapter is a link swapped or removed by
   ``os.replace`` or ``unlink`` (its folder's ctime moves) to an object never rewritten.
 
+The scan is kept per folder (:class:`Part`): a folder whose stats and whose children's are
+unchanged since a trusted read is not read again, so a pull into ``pulled/`` re-reads that folder
+and the root, not an org folder of 10,000 hand-placed adapters beside it (issue 48: every pull
+and rm, and the registry entry written after each, listed the whole store again).
+
 Invariants: the stats are taken before the entries are read, so a change that races the read is
 seen by the next check, never hidden by it. A scan is never trusted where a ctime it recorded is
 within :data:`RACY_S` of its start (a change in the same clock tick, or within a coarse
@@ -50,62 +55,101 @@ def _file_stat(path: str) -> tuple | None:
 
 
 @dataclass
-class Scan:
-    """One walk of the store: ``found`` (name, path) of every adapter-looking entry, in name
-    order, and what :meth:`holds` checks."""
+class Part:
+    """One real folder's direct content, read with one ``scandir``: ``found`` (name, path) of the
+    adapters in it, ``walk`` (name, path) of its child folders walked as parts of their own (the
+    root's only), and the stats of everything in it whose change could change them: the folder,
+    its other child folders (the config a folder may be given later), each hand-placed adapter's
+    two files. ``trusted``: no stat racy, no link out of the objects (see the module)."""
 
+    path: str
+    depth: int
     found: list[tuple[str, str]]
+    walk: list[tuple[str, str]]
     folders: list[str]
     files: list[str]
     stats: tuple
     trusted: bool
 
+    def current(self) -> tuple:
+        return tuple(map(_dir_stat, self.folders)) + tuple(map(_file_stat, self.files))
+
+
+@dataclass
+class Scan:
+    """One walk of the store: ``found`` (name, path) of every adapter-looking entry, in name
+    order, and its ``parts`` (folder path -> :class:`Part`, the root's first), which
+    :meth:`holds` checks."""
+
+    found: list[tuple[str, str]]
+    parts: dict[str, Part]
+    trusted: bool
+
     def holds(self) -> bool:
         """Whether nothing this scan watched has changed since (see the module)."""
-        return self.trusted and self._stats(self.folders, self.files) == self.stats
-
-    @staticmethod
-    def _stats(folders: list[str], files: list[str]) -> tuple:
-        return tuple(map(_dir_stat, folders)) + tuple(map(_file_stat, files))
+        return self.trusted and all(part.current() == part.stats for part in self.parts.values())
 
 
-def scan(root: str) -> Scan:
-    """Walk ``root`` one and two levels down (scandir: one stat per entry, not one per path
-    operation) for entries holding an adapter config."""
-    began = time.time_ns()
+def _read_part(path: str, prefix: str, depth: int, began: int) -> Part:
     found: list[tuple[str, str]] = []
-    folders, files = [root], []
+    walk: list[tuple[str, str]] = []
+    folders, files = [path], []
     trusted = True
-
-    def visit(name: str, entry: os.DirEntry, depth: int) -> None:
-        nonlocal trusted
-        path = entry.path
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            continue
+        name, child = prefix + entry.name, entry.path
         if entry.is_symlink():
-            if os.path.exists(os.path.join(path, CONFIG_FILE)):
-                found.append((name, path))
+            if os.path.exists(os.path.join(child, CONFIG_FILE)):
+                found.append((name, child))
                 # A link to anything but an object may be rewritten without a folder here moving.
-                trusted = trusted and _OBJECTS in os.readlink(path).split(os.sep)
-            return
-        if not entry.is_dir(follow_symlinks=False):
-            return
-        if os.path.exists(os.path.join(path, CONFIG_FILE)):
+                trusted = trusted and _OBJECTS in os.readlink(child).split(os.sep)
+        elif not entry.is_dir(follow_symlinks=False):
+            continue
+        elif os.path.exists(os.path.join(child, CONFIG_FILE)):
             # Its two files, not its folder: what Store.entry_key reads it by (a config removed or
             # replaced moves or loses the file's stats).
-            found.append((name, path))
-            files.extend((os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)))
-            return
-        folders.append(path)
-        if depth == 1:
-            for sub in sorted(os.scandir(path), key=lambda e: e.name):
-                if not sub.name.startswith("."):
-                    visit(f"{name}/{sub.name}", sub, 2)
-
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if not entry.name.startswith("."):
-            visit(entry.name, entry, 1)
-    stats = Scan._stats(folders, files)
+            found.append((name, child))
+            files.extend((os.path.join(child, CONFIG_FILE), os.path.join(child, WEIGHTS_FILE)))
+        elif depth == 1:
+            walk.append((name, child))      # an org folder: a part of its own
+        else:
+            folders.append(child)           # a folder not yet an adapter: watched for its config
+    part = Part(path, depth, found, walk, folders, files, (), trusted)
+    part.stats = part.current()
     # ctime (never set by a user, unlike mtime) within RACY_S of the scan: a later change in the
     # same timestamp step would go unseen.
-    newest = max((s[1] if len(s) == 3 else s[3] for s in stats if s is not None), default=0)
-    trusted = trusted and None not in stats and newest < began - int(RACY_S * 1e9)
-    return Scan(found, folders, files, stats, trusted)
+    newest = max((s[1] if len(s) == 3 else s[3] for s in part.stats if s is not None), default=0)
+    part.trusted = trusted and None not in part.stats and newest < began - int(RACY_S * 1e9)
+    return part
+
+
+def scan(root: str, previous: Scan | None = None) -> Scan:
+    """Walk ``root`` one and two levels down (scandir: one stat per entry, not one per path
+    operation) for entries holding an adapter config. A folder whose part in ``previous`` was
+    trusted and whose stats are unchanged is not read again: its part is reused (the same
+    object, so the caller may reuse what it read from it), and a store write into one folder
+    re-reads that folder, not 10,000 entries elsewhere."""
+    began = time.time_ns()
+    old = previous.parts if previous is not None else {}
+    parts: dict[str, Part] = {}
+    found: list[tuple[str, str]] = []
+
+    def part_of(path: str, prefix: str, depth: int) -> Part:
+        kept = old.get(path)
+        if kept is not None and kept.trusted and kept.depth == depth and kept.current() == kept.stats:
+            part = kept
+        else:
+            part = _read_part(path, prefix, depth, began)
+        parts[path] = part
+        return part
+
+    top = part_of(root, "", 1)
+    # Name order, as one sorted walk gave it: the root's adapters and its folders' among them.
+    rows = [(name, path, False) for name, path in top.found] + [(name, path, True) for name, path in top.walk]
+    for name, path, is_folder in sorted(rows):
+        if is_folder:
+            found.extend(part_of(path, name + "/", 2).found)
+        else:
+            found.append((name, path))
+    return Scan(found, parts, all(part.trusted for part in parts.values()))
