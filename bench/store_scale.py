@@ -284,6 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--pulls", type=int, default=3, help="pulls timed into each store (pull 1 against N + 1)")
     parser.add_argument("--profile", action="store_true", help="profile the listing path in-process instead")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -304,12 +305,12 @@ def main() -> None:
         ensure_demo(paths.layout(empty).tiny_dir)
         make_adapters(ten, 10)
         # Folders to pull, of content no store holds: pull 1 (into the empty store) against pull
-        # N + 1 (into the full one), median of 3 each.
-        make_adapters(sources, 6, first=10 * args.adapters + 1000)
+        # N + 1 (into the full one), median of --pulls each.
+        make_adapters(sources, 2 * args.pulls, first=10 * args.adapters + 1000)
         folders = sorted((paths.layout(sources).data_dir / "adapters" / "scale").iterdir())
         # Empty, full, empty again: start-up on a shared machine drifts; the ratio is to the mean.
-        first_empty = measure(empty, args.runs, 0, pulls=folders[:3])
-        with_adapters = measure(full, args.runs, args.adapters, pulls=folders[3:])
+        first_empty = measure(empty, args.runs, 0, pulls=folders[:args.pulls])
+        with_adapters = measure(full, args.runs, args.adapters, pulls=folders[args.pulls:])
         second_empty = measure(empty, args.runs, 0)
         with_ten = measure(ten, args.runs, 10)
         empty_startup = (first_empty["startup_s"] + second_empty["startup_s"]) / 2
