@@ -1,6 +1,7 @@
 """Run at the start of every Python interpreter the daemon starts (its PYTHONPATH names this
-folder; ``loractld/worker/media_packages.py``): mark torchvision, torchaudio and torchcodec
-absent before anything imports transformers, then run the sitecustomize this one shadows, if
+folder; ``loractld/worker/media_packages.py``): mark the media packages the daemon found broken
+(``LORACTL_HIDDEN_MEDIA``; all three without it) absent before anything imports transformers,
+then run the sitecustomize this one shadows, if
 the environment has one. Standard library only; it must never fail an interpreter's start."""
 
 import importlib.machinery
@@ -8,8 +9,10 @@ import importlib.util
 import os
 import sys
 
-for _name in ("torchvision", "torchaudio", "torchcodec"):
-    sys.modules.setdefault(_name, None)  # type: ignore[arg-type]
+_hidden = os.environ.get("LORACTL_HIDDEN_MEDIA")
+for _name in ("torchvision", "torchaudio", "torchcodec") if _hidden is None else _hidden.split(","):
+    if _name:
+        sys.modules.setdefault(_name, None)  # type: ignore[arg-type]
 
 
 def _chain() -> None:
