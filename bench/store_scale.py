@@ -150,7 +150,7 @@ def measure(home: Path, runs: int, expect: int, pulls: list[Path] = ()) -> dict:
         if expect > 10:
             report["hand_placed_change"] = hand_placed_change(home, cli, expect)
         if pulls:
-            report["pull_s"] = timed_pulls(cli, pulls, expect)
+            report["pull_s"], report["pull_cpu_s"] = timed_pulls(cli, pulls, expect, proc.pid)
         if expect:
             report["rss"] = rss_host_full(proc.pid, cli)
         return report
@@ -180,18 +180,32 @@ def hand_placed_change(home: Path, cli, expect: int) -> dict:
     return {"ls after one added (s)": round(added_s, 3), "ls after it was removed (s)": round(removed_s, 3)}
 
 
-def timed_pulls(cli, folders: list[Path], expect: int) -> list[float]:
+PULL_QUIET_S = 3.0   # after the last rm: the daemon's work that follows an event (the registry entry) is done
+
+
+def _cpu_s(pid: int) -> float:
+    """The daemon process's CPU seconds so far (user + system, all its threads, no children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_pulls(cli, folders: list[Path], expect: int, pid: int) -> tuple[list[float], float]:
     """Seconds of ``loractl pull FOLDER`` into this store, one per folder, each removed after
-    (every pull is number ``expect + 1``)."""
+    (every pull is number ``expect + 1``), back to back as a user's script would; and the daemon's
+    CPU seconds per pull and rm, what follows them included (measured to PULL_QUIET_S after the
+    last): wall seconds on a shared machine swing with its load, the CPU spent much less."""
     times = []
+    cpu_began = _cpu_s(pid)
     for i, folder in enumerate(folders):
         name = f"pulled/p{i}"
         began = time.perf_counter()
         cli("pull", str(folder), "--name", name, "--json")
         times.append(round(time.perf_counter() - began, 3))
         cli("rm", name, "--json")
+    time.sleep(PULL_QUIET_S)
+    cpu = (_cpu_s(pid) - cpu_began) / len(folders)
     assert len(json.loads(cli("ls", "--json"))) == expect
-    return times
+    return times, round(cpu, 3)
 
 
 def rss_host_full(pid: int, cli) -> dict:
@@ -322,6 +336,8 @@ def main() -> None:
                                        for k in ("daemon_mib", "tree_mib")},
             "pull_median_s": {"first (empty store)": statistics.median(first_empty["pull_s"]),
                               f"number {args.adapters + 1}": statistics.median(with_adapters["pull_s"])},
+            "daemon_cpu_s_per_pull_and_rm": {"empty store": first_empty["pull_cpu_s"],
+                                             f"{args.adapters} adapters": with_adapters["pull_cpu_s"]},
             "startup_ratio_full_over_empty": round(with_adapters["startup_s"] / empty_startup, 2),
             "load_average_1_5_15_min": {"before": [round(x, 2) for x in load_before],
                                         "after": [round(x, 2) for x in os.getloadavg()]},
