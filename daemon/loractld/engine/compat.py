@@ -217,16 +217,19 @@ def openai_serving(engine_client, models_type, served_names: list[str], model_pa
     renderer = OnlineRenderer(**serving_kwargs(OnlineRenderer, {
         **shared, "model_config": engine_client.model_config, "renderer": engine_client.renderer,
         "reasoning_parser": options.reasoning_parser}))
-    renderer.warmup()
     shared["online_renderer"] = renderer
-    built: dict[type, object] = {}
+    built: dict[str, object] = {}
     routes = {}
     for route, (module, name, method, protocol, request_name) in _SERVING_CLASSES.items():
-        cls = getattr(importlib.import_module(module), name)
-        if cls not in built:
-            built[cls] = cls(**serving_kwargs(cls, shared))
+        if name not in built:
+            cls = getattr(importlib.import_module(module), name)
+            built[name] = cls(**serving_kwargs(cls, shared))
         routes[route] = ServingRoute(getattr(importlib.import_module(protocol), request_name),
-                                     getattr(built[cls], method))
+                                     getattr(built[name], method))
+    # The chat template's warm-up, where vLLM's own server does it: on the renderer from 0.32,
+    # on the chat handler before (0.26 has no OnlineRenderer.warmup; seen failing on an H200).
+    warmup = getattr(renderer, "warmup", None) or built["OpenAIServingChat"].warmup
+    warmup()
     return routes
 
 

