@@ -42,8 +42,12 @@ MANIFEST = "MANIFEST.json"
 SELF_NAME = "bundle.py"
 REPO = Path(__file__).resolve().parent.parent
 # "." is this repository, built with pip wheel --no-deps. uvicorn serves loractld --http; vLLM
-# brings it only through fastapi[standard], an extra the vllm-text preset drops.
-DEFAULT_REQUIREMENTS = ["vllm==0.26.0", ".", "uvicorn"]
+# brings it only through fastapi[standard], an extra the vllm-text preset drops. The last four
+# are what vLLM 0.26's own OpenAI server (the benchmarks' baseline, scripts/gpu_check.sh) imports
+# beyond the text engine: found by walking its module-level imports, and the server ran with
+# them on an H200 (docs/benchmarks.md, "The first GPU lease").
+DEFAULT_REQUIREMENTS = ["vllm==0.26.0", ".", "uvicorn", "model-hosting-container-standards", "watchfiles",
+                        "prometheus-fastapi-instrumentator", "python-multipart"]
 CHUNK = 1 << 20
 
 # What a text-only run on Hopper does not need from the vllm wheel (see docs/offline-install.md).
@@ -1118,7 +1122,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="download, trim, pack and split a bundle (needs the package index)")
     b.add_argument("requirements", nargs="*", metavar="REQUIREMENT",
                    help="NAME==VERSION, a .whl path, or a project folder "
-                        "(default: vllm==0.26.0, this repository's loractl wheel, and uvicorn)")
+                        "(default: vllm==0.26.0, this repository's loractl wheel, uvicorn, and the four "
+                        "packages vLLM's OpenAI server needs beyond the text engine)")
     b.add_argument("--out", required=True, help="folder for the parts, MANIFEST.json and bundle.py")
     b.add_argument("--python-version", default="3.12", help="the target's Python (default 3.12)")
     b.add_argument("--platform", action="append", help="wheel platform tag of the target, repeatable "
