@@ -123,3 +123,35 @@ def test_the_serving_seam_names_a_required_argument_it_does_not_know():
         compat.serving_kwargs(Future, {"engine_client": 1, "request_logger": None, "extra": 2})
     assert compat.serving_kwargs(Future, {"engine_client": 1, "hologram_renderer": 2, "extra": 3}) == \
         {"engine_client": 1, "hologram_renderer": 2}
+
+
+def test_a_handler_refusal_is_recognized_where_0_26_keeps_error_response(monkeypatch):
+    """vLLM 0.26 defines ``ErrorResponse`` in ``vllm.entrypoints.openai.engine.protocol`` (0.32:
+    ``serve.engine.protocol``); a 0.26-shaped vLLM, faked in ``sys.modules``, must still have a
+    handler's refusal answered with its code, and a rendering refusal be an InvalidRequest's cause,
+    instead of every rendered request failing on the import."""
+    import sys
+    import types
+
+    class ErrorInfo:
+        def __init__(self, code):
+            self.code, self.message = code, "bad"
+
+    class ErrorResponse:
+        def __init__(self, code):
+            self.error = ErrorInfo(code)
+
+        def model_dump(self, mode):
+            return {"error": {"code": self.error.code, "message": self.error.message}}
+
+    old = types.ModuleType("vllm.entrypoints.openai.engine.protocol")
+    old.ErrorResponse = ErrorResponse
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.serve.engine.protocol", None)   # absent in 0.26
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.engine.protocol", old)
+    compat.error_response_type.cache_clear()
+    try:
+        assert compat.error_response_type() is ErrorResponse
+        answer = compat.serving_answer(ErrorResponse(404), lambda status, body=None, stream=None: (status, body))
+        assert answer == (404, {"error": {"code": 404, "message": "bad"}})
+    finally:
+        compat.error_response_type.cache_clear()

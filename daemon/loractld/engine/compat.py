@@ -233,13 +233,25 @@ def openai_serving(engine_client, models_type, served_names: list[str], model_pa
     return routes
 
 
+@functools.cache
+def error_response_type() -> type:
+    """vLLM's ``ErrorResponse`` (what a serving handler returns for a refusal): in
+    ``vllm.entrypoints.serve.engine.protocol`` from 0.32, ``vllm.entrypoints.openai.engine.protocol``
+    in 0.26 (read in both; the same model, ``error: ErrorInfo(message, type, param, code)``). Looked
+    up once: it is on every rendered request's path, and a failed import searches the path again.
+    Every engine on 0.26 failed its first rendered request without the fallback (found by reading)."""
+    try:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    except ImportError:   # 0.26
+        from vllm.entrypoints.openai.engine.protocol import ErrorResponse
+    return ErrorResponse
+
+
 def serving_answer(result, answer_type):
     """A handler's result as ``answer_type(status, body, stream)``, shaped as vLLM's routers
     shape it: an error response with its code, a response model as JSON, a stream as SSE text
     (the Responses API streams event objects: ``event: TYPE`` lines, as its router writes them)."""
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
-    if isinstance(result, ErrorResponse):
+    if isinstance(result, error_response_type()):
         return answer_type(result.error.code, result.model_dump(mode="json"))
     if hasattr(result, "model_dump"):
         kind = type(result).__name__

@@ -313,8 +313,6 @@ class OpenAISurface:
     async def render(self, route: str, request: Any, *, template: str | None = None) -> list[Any]:
         """``request``'s engine inputs as ``route``'s handler renders them (the chat template, the
         tokenizer), for the base model's name; vLLM's refusal is an :class:`InvalidRequest`."""
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
         handler = self.handler(route)
         token = CURRENT.set(RequestScope(model=request.model, template=template))
         try:
@@ -328,7 +326,7 @@ class OpenAISurface:
             raise self._unrendered(route, _first_line(e)) from e
         finally:
             CURRENT.reset(token)
-        if isinstance(result, ErrorResponse):
+        if isinstance(result, compat.error_response_type()):
             raise self._unrendered(route, _first_line(result.error.message))
         return result[1] if route == "chat" else result
 
