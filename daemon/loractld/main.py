@@ -196,12 +196,14 @@ def _run(coro):
 
 def main(argv: list[str] | None = None) -> None:
     keep_cuda_uninitialized()  # first: nothing before vLLM's fork may initialize CUDA (engine/device.py)
-    hide_media_packages(children=True)  # before anything imports transformers (worker/media_packages.py)
     try:
         args = config.resolve(build_parser, argv)
     except LoractlError as e:
         print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         sys.exit(e.exit_code)
+    # Before anything imports transformers (worker/media_packages.py), after the arguments: it may
+    # import torchvision to see whether it works, which --help and --version need not wait for.
+    hide_media_packages(children=True)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format=audit.FORMAT)
     audit.install(sys.stderr)  # audit lines whatever --log-level says
     # vLLM's own logging (read when vllm is imported, in this process and the engine's):
