@@ -3,8 +3,8 @@
 The entry's metadata speaks the seeds' LoRA schema (``lora.enabled``, ``max_loras``,
 ``max_lora_rank``, ``available_loras`` with their state, ``loaded_loras``,
 ``capacity.loaded_count`` and ``available_slots``), which is what a router reads to send a
-request to the instance that already holds the adapter on device. It is rewritten whenever a
-lifecycle event fires, from the engine's true state.
+request to the instance that already holds the adapter on device. It is rewritten when a
+lifecycle event changes it, from the engine's true state.
 
 Its cost stays off the store's operations at 10,000 adapters (issue 48: pull number 10,001 took
 1.4-1.9x the first while the entry was rewritten from a listing of every adapter after each pull
