@@ -155,3 +155,15 @@ def test_a_handler_refusal_is_recognized_where_0_26_keeps_error_response(monkeyp
         assert answer == (404, {"error": {"code": 404, "message": "bad"}})
     finally:
         compat.error_response_type.cache_clear()
+
+
+def test_the_engine_request_count_reads_the_output_processor_where_0_26_asyncllm_has_no_count():
+    """0.26's ``AsyncLLM`` has no ``get_num_unfinished_requests`` (0.32 added it, over its
+    ``OutputProcessor``'s, which both have): /health, Status and the metrics must still count."""
+    import types
+
+    processor = types.SimpleNamespace(get_num_unfinished_requests=lambda: 3)
+    llm_026 = types.SimpleNamespace(output_processor=processor)
+    llm_032 = types.SimpleNamespace(output_processor=processor, get_num_unfinished_requests=lambda: 5)
+    assert compat.unfinished_requests(llm_026) == 3
+    assert compat.unfinished_requests(llm_032) == 5

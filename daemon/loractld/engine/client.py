@@ -325,7 +325,7 @@ class Engine:
 
     def unfinished_requests(self) -> int:
         """Requests the engine holds (waiting or running); an aborted one leaves at once."""
-        return int(self._llm.get_num_unfinished_requests()) if self._llm is not None else 0
+        return compat.unfinished_requests(self._llm) if self._llm is not None else 0
 
     @property
     def errored(self) -> bool:

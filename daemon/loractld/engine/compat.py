@@ -107,6 +107,16 @@ def _rendered_token_input():
     return tokens_input
 
 
+def unfinished_requests(llm) -> int:
+    """Requests ``llm`` (an ``AsyncLLM``) holds, waiting or running. 0.32's ``AsyncLLM`` has
+    ``get_num_unfinished_requests``; 0.26's has not (read in its source: only ``LLMEngine`` does),
+    and both ask the front end's ``OutputProcessor``, which has it in both releases."""
+    count = getattr(llm, "get_num_unfinished_requests", None)
+    if count is None:   # vLLM 0.26: /health, Status and the metrics raised AttributeError here
+        count = llm.output_processor.get_num_unfinished_requests
+    return int(count())
+
+
 def cache_vllm_environment() -> None:
     """Read vLLM's environment variables once, now that the engine is up, as vLLM's engine core
     does in its own process (``envs.enable_envs_cache``). Unread, ``vllm.envs`` looks each one

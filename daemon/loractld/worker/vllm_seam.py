@@ -159,6 +159,8 @@ SEAM: tuple[Internal, ...] = (
              "the front end's map from a request's id to the engine core's ids"),
     Internal("vllm.v1.engine.output_processor:OutputProcessor", "external_req_ids", READ,
              "the engine core's ids of a request, read at its first output (gone by its last)"),
+    Internal("vllm.v1.engine.output_processor:OutputProcessor", "get_num_unfinished_requests", CALLED,
+             "the engine's request count where AsyncLLM has no get_num_unfinished_requests (0.26)", BOTH),
     Internal("vllm.v1.engine.async_llm:AsyncLLM", "engine_core", READ, "the engine core's client"),
     Internal("vllm.v1.engine.core_client:EngineCoreClient", "abort_requests_async", CALLED,
              "a stop string's abort reaches the core before the final output goes on (AsyncLLM.abort "
