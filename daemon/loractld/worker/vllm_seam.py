@@ -84,6 +84,10 @@ _WORKER_MGR = "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager"
 _MODEL_MGR = "vllm.lora.model_manager:LRUCacheLoRAModelManager"
 _LRU = "vllm.utils.cache:LRUCache"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+# What a CUDA worker really runs: Model Runner V2 (``VllmConfig.use_v2_model_runner``), vLLM's
+# default there for dense generative models in 0.26 and for every model in 0.32, unless
+# VLLM_USE_V2_MODEL_RUNNER=0 (read in both). The CPU runner subclasses ``_RUNNER`` instead.
+_RUNNER_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _OPS_MODULES = ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.ops.torch_ops",
                 "vllm.lora.punica_wrapper.punica_cpu")   # the last bound the ops at import time
 
@@ -124,6 +128,7 @@ SEAM: tuple[Internal, ...] = (
     Internal("vllm.v1.worker.gpu_worker:Worker", "model_runner", READ, "the worker's runner (its LoRA manager)",
              BOTH),
     Internal(_RUNNER, "lora_manager", READ, "the worker's LoRA manager", BOTH),
+    Internal(_RUNNER_V2, "lora_manager", READ, "the worker's LoRA manager on CUDA (LoRAModelRunnerMixin's)", BOTH),
     # -- worker/kv_scrub.py: zero the KV blocks a step gives fresh ------------------------------
     Internal("vllm.v1.worker.gpu_worker:Worker", "execute_model", PATCHED,
              "wrapped to zero the step's fresh KV blocks first (no public pre-step hook)", group="scrubbed_steps",
@@ -132,6 +137,8 @@ SEAM: tuple[Internal, ...] = (
     Internal("vllm.config.cache:CacheConfig", "num_gpu_blocks", READ, "the KV cache's block count"),
     Internal("vllm.config.cache:CacheConfig", "block_size", READ, "tokens per KV block"),
     Internal(_RUNNER, "kv_caches", READ, "the KV cache tensors to zero"),
+    Internal(_RUNNER_V2, "kv_caches", READ, "the KV cache tensors to zero on CUDA (one per layer, blocks on a dim)",
+             BOTH),
     *(Internal("vllm.v1.core.sched.output:SchedulerOutput", name, READ, "the step's new and running requests")
       for name in ("scheduled_new_reqs", "scheduled_cached_reqs")),
     *(Internal("vllm.v1.core.sched.output:NewRequestData", name, READ, "a new request's blocks past its cache hit")
