@@ -18,6 +18,14 @@ shared notes gpu-offline.md), and how each is handled:
 - ``max_model_len=-1`` (the model's context, lowered to what the KV cache holds): in 0.26.0
   (``vllm/v1/core/kv_cache_utils.py:_auto_fit_max_model_len``, ``vllm/config/model.py``'s
   "-1 (auto-fit)") and 0.32, so throughout the supported range.
+- Module moves and API gaps in 0.26 (found by reading its source, before a GPU lease could):
+  ``ErrorResponse`` lives in ``vllm.entrypoints.openai.engine.protocol`` (``error_response_type``),
+  ``create_error_response`` in ``serve.utils.error_response`` (``error_answer``), the chat warm-up
+  is ``OpenAIServingChat.warmup`` (``openai_serving``), and ``AsyncLLM`` has no
+  ``get_num_unfinished_requests`` (``unfinished_requests``).
+- On CUDA both releases run Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) for dense
+  models, not the V1 ``GPUModelRunner`` the CPU runner subclasses: the seam lists what loractl
+  reads on both.
 - Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name. Every
   private name or patch of vLLM's that loractl relies on (the worker's ``LRUCacheLoRAModelManager``
   internals, the CPU ops, the scheduler output the KV scrub reads, the front end's request ids)
@@ -99,10 +107,11 @@ def token_prompt(prompt_token_ids: list[int]) -> dict:
 @functools.cache
 def _rendered_token_input():
     """vLLM's builder of a rendered token input, looked up once (this is on every request's
-    path, and a failed import would search the path again each time); None before 0.32."""
+    path, and a failed import would search the path again each time); None where vLLM has no
+    rendered inputs. 0.26.0 has them too (``vllm/inputs/engine.py``, the same ``TokensInput``)."""
     try:
         from vllm.inputs.engine import tokens_input
-    except ImportError:  # vLLM 0.26: no rendered inputs; the bare prompt is the only form
+    except ImportError:  # no rendered inputs: the bare prompt is the only form
         return None
     return tokens_input
 
