@@ -128,3 +128,19 @@ def test_a_daemon_serves_more_hand_placed_adapters_at_once_than_its_copy_budget(
         assert {a["name"]: a["state"] for a in listed} == {n: "ready" for n in names}
     finally:
         daemon.stop()
+
+
+def test_a_stat_key_is_packed_and_records_the_files_size(tmp_path):
+    # The key a store of 10,000 keeps several of per adapter: bytes, not nested tuples of ints
+    # (20 MiB less in-process at 10,000, docs/benchmarks.md), and what the size cap reads.
+    from loractld.store.copies import stat_key, stat_key_size
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 8}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"w" * 1000)
+    key = stat_key(tmp_path)
+    assert isinstance(key, bytes) and stat_key_size(key) == 8 + 1000
+    assert stat_key(tmp_path) == key
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"v" * 1001)
+    assert stat_key(tmp_path) != key and stat_key_size(stat_key(tmp_path)) == 1009
+    (tmp_path / "adapter_config.json").unlink()
+    assert stat_key(tmp_path) is None

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, DiskFull
+from loractld.store.listing import STAT, packed_stat
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE
 
 SNAPSHOT_BUDGET = 2 << 30    # bytes of copies kept once no lease holds them (--snapshot-budget)
@@ -40,14 +41,20 @@ SNAPSHOT_GRACE_S = 10.0
 _log = logging.getLogger("loractld.store")
 
 
-def stat_key(folder: Path) -> tuple | None:
-    """What identifies the adapter files in ``folder`` now (None: one is missing). A rewrite that
+def stat_key(folder: Path) -> bytes | None:
+    """What identifies the adapter files in ``folder`` now (None: one is missing): the folder's
+    path, then the config's and the weights' inode, size, mtime and ctime, packed. A rewrite that
     restores the mtime still moves the ctime."""
     try:
-        stats = [(n, os.stat(folder / n)) for n in (CONFIG_FILE, WEIGHTS_FILE)]
+        stats = [os.stat(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
     except OSError:
         return None
-    return (str(folder),) + tuple((n, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for n, s in stats)
+    return os.fsencode(folder) + b"\0" + b"".join(map(packed_stat, stats))
+
+
+def stat_key_size(key: bytes) -> int:
+    """The adapter files' bytes together, as ``key`` (a :func:`stat_key`) recorded them."""
+    return sum(STAT.unpack_from(key, len(key) - (i + 1) * STAT.size)[1] for i in range(2))
 
 
 def files_digest(records: list[dict]) -> str:
@@ -81,13 +88,13 @@ class Copies:
         self._leases = leases
         self._staging = staging
         self._check_free_space = check_free_space
-        self._records: dict[tuple, list[dict]] = {}   # stat_key -> file records (hashed in place)
+        self._records: dict[bytes, list[dict]] = {}   # stat_key -> file records (hashed in place)
         self._sources: dict[str, Path] = {}           # digest -> the folder it was last read from
         self._made: dict[str, list] = {}              # copy path -> [bytes, last used]; oldest first
         self._over = False
 
     # -- knowing an adapter: no copy ------------------------------------------------------
-    def records(self, folder: Path, key: tuple | None = None) -> list[dict]:
+    def records(self, folder: Path, key: bytes | None = None) -> list[dict]:
         """The name, size and sha256 of ``folder``'s adapter files, hashed in place once per content."""
         key = key or stat_key(folder)
         known = self._records.get(key) if key is not None else None
@@ -98,7 +105,7 @@ class Copies:
                 self._records[key] = known
         return known
 
-    def path_for(self, folder: Path, key: tuple | None = None) -> tuple[Path, str]:
+    def path_for(self, folder: Path, key: bytes | None = None) -> tuple[Path, str]:
         """Where the copy of ``folder``'s adapter is (or will be) and its digest; copies nothing."""
         digest = files_digest(self.records(folder, key))
         with self._lock:

@@ -49,6 +49,7 @@ from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
 from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key
+from loractld.store.listing import packed_stat
 from loractld.store import listing
 from loractld.store.leases import Lease, Leases
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, read_config
@@ -117,7 +118,7 @@ class Store:
         self.snapshots = self.root / ".snapshots"
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
-        self._hand_manifests: dict[tuple, dict] = {}
+        self._hand_manifests: dict[bytes | tuple, dict] = {}
         self._entries: dict[str, tuple[tuple, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         # The last listing, kept while it holds (``list``); every write of this store's bumps the
         # generation, so a write within one timestamp step of a listing is never missed.
@@ -295,7 +296,7 @@ class Store:
         known = self._entries.get(name)
         return known[0] if known is not None else None
 
-    def entry_key(self, name: str) -> tuple | None:
+    def entry_key(self, name: str) -> tuple | bytes | None:
         """What identifies the entry ``name`` now: a pulled adapter's link target (objects are
         never rewritten), a hand-placed one's files' inode, size, mtime and ctime (a rewrite that
         restores the mtime still moves the ctime). None: read it every time (missing files, or
@@ -309,7 +310,7 @@ class Store:
             return None
         if stat.S_ISLNK(stats[0].st_mode) or stat.S_ISLNK(stats[1].st_mode):
             return None
-        return ("folder",) + tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
+        return b"".join(map(packed_stat, stats))   # bytes: never equal to a link's tuple
 
     def _read(self, name: str, entry: Path) -> StoredAdapter:
         real = entry.resolve()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loractl.errors import AdapterNotFound, LoractlError
 from loractld.engine.adapter import AdapterRef
-from loractld.store.copies import stat_key
+from loractld.store.copies import stat_key, stat_key_size
 from loractld.store.disk import Store, files_digest
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
@@ -145,7 +145,7 @@ class AdapterResolver:
                 self._by_name[lora] = (key, ref)
             return ref
 
-    def _entry_key(self, name: str) -> tuple | None:
+    def _entry_key(self, name: str) -> tuple | bytes | None:
         """What identifies the store entry behind ``name`` right now; None: look on disk."""
         return self.store.entry_key(name)
 
@@ -217,7 +217,7 @@ class AdapterResolver:
         when leased, ``loractld.store.copies``) and its digest: the folder is hashed in place
         once per content, found again while the files' stats are unchanged."""
         key = stat_key(path)
-        if key is None or (self.max_bytes is not None and sum(f[2] for f in key[1:]) > self.max_bytes):
+        if key is None or (self.max_bytes is not None and stat_key_size(key) > self.max_bytes):
             # Before hashing: raises the precise reason (missing config, pickle only, over the cap).
             self.validate(path, False)
         return self.store.copies.path_for(path, key)

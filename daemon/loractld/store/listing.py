@@ -29,6 +29,7 @@ store's objects (which are never rewritten) makes a scan untrusted too.
 from __future__ import annotations
 
 import os
+import struct
 import time
 from dataclasses import dataclass
 
@@ -46,12 +47,20 @@ def _dir_stat(path: str) -> tuple | None:
     return (s.st_ino, s.st_ctime_ns, s.st_mtime_ns)
 
 
-def _file_stat(path: str) -> tuple | None:
+STAT = struct.Struct("<QQqq")
+
+
+def packed_stat(s: os.stat_result) -> bytes:
+    """A file's inode, size, mtime and ctime as 32 bytes: the same test of change as the tuple of
+    them at about a fifth of its memory (a store of 10,000 keeps several such keys per adapter)."""
+    return STAT.pack(s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
+
+
+def _file_stat(path: str) -> bytes | None:
     try:
-        s = os.lstat(path)
+        return packed_stat(os.lstat(path))
     except OSError:
         return None
-    return (s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
 
 
 @dataclass
