@@ -60,6 +60,7 @@ def test_the_installed_vllm_passes_and_every_entry_resolves(version):
     assert all(e.read_in and e.why for e in vllm_seam.SEAM)
 
 
+@own_process
 def test_an_entry_is_checked_only_in_its_releases(version):
     # OpenAIServingChat.warmup is 0.26's (0.32 moved it to the renderer): not asked of 0.32, and
     # asked of 0.26, where the installed 0.32 code lacks it.
