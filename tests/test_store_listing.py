@@ -205,3 +205,20 @@ def test_garbage_collection_keeps_every_linked_object(tmp_path, demo):
     orphan.mkdir()
     assert store.collect_garbage() == [str(orphan)]
     assert all(a.path.is_dir() for a in installed) and (store.root / "org" / "by-hand").is_dir()
+
+
+def test_a_hand_placed_adapter_written_just_now_makes_its_folder_untrusted(tmp_path):
+    # Its files' ctimes are read from their packed stats: a file rewritten in place inside RACY_S
+    # of the scan (which moves no folder's ctime) must make its part untrusted, read again next time.
+    import time
+
+    from loractld.store import listing
+
+    folder = tmp_path / "org" / "fresh"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "adapter_model.safetensors").write_bytes(b"w")
+    time.sleep(listing.RACY_S + 0.05)
+    assert listing.scan(str(tmp_path)).parts[str(tmp_path / "org")].trusted
+    (folder / "adapter_config.json").write_text('{"r": 8}')   # in place: only the file's ctime moves
+    assert not listing.scan(str(tmp_path)).parts[str(tmp_path / "org")].trusted

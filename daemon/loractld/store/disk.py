@@ -119,7 +119,7 @@ class Store:
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[bytes | tuple, dict] = {}
-        self._entries: dict[str, tuple[tuple, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
+        self._entries: dict[str, tuple[tuple | bytes, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         # The last listing, kept while it holds (``list``); every write of this store's bumps the
         # generation, so a write within one timestamp step of a listing is never missed.
         self._writes = itertools.count(1)   # next() is atomic: no increment lost to a race

@@ -56,6 +56,11 @@ def packed_stat(s: os.stat_result) -> bytes:
     return STAT.pack(s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns)
 
 
+def _ctime(stat_: tuple | bytes) -> int:
+    """The ctime in a folder's :func:`_dir_stat` or a file's :func:`packed_stat`."""
+    return STAT.unpack(stat_)[3] if isinstance(stat_, bytes) else stat_[1]
+
+
 def _file_stat(path: str) -> bytes | None:
     try:
         return packed_stat(os.lstat(path))
@@ -128,7 +133,7 @@ def _read_part(path: str, prefix: str, depth: int, began: int) -> Part:
     part.stats = part.current()
     # ctime (never set by a user, unlike mtime) within RACY_S of the scan: a later change in the
     # same timestamp step would go unseen.
-    newest = max((s[1] if len(s) == 3 else s[3] for s in part.stats if s is not None), default=0)
+    newest = max((_ctime(s) for s in part.stats if s is not None), default=0)
     part.trusted = trusted and None not in part.stats and newest < began - int(RACY_S * 1e9)
     return part
 
