@@ -16,7 +16,7 @@
 #                      demo: the daemon's --device auto; no CPU set-up); "not run" without loractld there
 #   serve-vs-server    bench/serve_bench.py --device cuda --systems loractl,server, reduced
 #   serve-vs-asyncllm  bench/serve_bench.py --device cuda --systems loractl,asyncllm, reduced
-#   thrash             bench/thrash_bench.py --device cuda --systems batching,server, reduced
+#   thrash             bench/thrash_bench.py --device cuda --systems measured,server, reduced (measured: the daemon's default admission)
 #
 # Settings (environment):
 #   GPU_CHECK_PYTHON   the interpreter (default: .venv/bin/python if present, else python3). With
@@ -33,7 +33,7 @@
 #                      it must take under 10%)
 #   GPU_CHECK_KV       the benchmarks' --kv-cache for loractld, vLLM's server and in-process AsyncLLM
 #                      (default 1GiB)
-#   GPU_CHECK_THRASH_SYSTEMS  thrash_bench's --systems (default: batching,server)
+#   GPU_CHECK_THRASH_SYSTEMS  thrash_bench's --systems (default: measured,server: the daemon's default policy against the server)
 #   GPU_CHECK_TIMEOUT  seconds allowed to each step (default: per step, 120 s to 2400 s)
 #   LORACTL_DEMO_WHEEL the demo model's wheel on an offline machine (daemon/loractld/models/demo.py)
 #   GPU_CHECK_STEPS    the steps to run, comma-separated (default: all): e.g.
@@ -124,7 +124,7 @@ else
 fi
 MODEL=${GPU_CHECK_MODEL:-tiny}
 KV=${GPU_CHECK_KV:-1GiB}
-THRASH_SYSTEMS=${GPU_CHECK_THRASH_SYSTEMS:-batching,server}
+THRASH_SYSTEMS=${GPU_CHECK_THRASH_SYSTEMS:-measured,server}
 TIMEOUT_BIN=$(command -v timeout 2>/dev/null || true)
 
 # -- running steps -----------------------------------------------------------------------------
