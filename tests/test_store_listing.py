@@ -222,3 +222,28 @@ def test_a_hand_placed_adapter_written_just_now_makes_its_folder_untrusted(tmp_p
     assert listing.scan(str(tmp_path)).parts[str(tmp_path / "org")].trusted
     (folder / "adapter_config.json").write_text('{"r": 8}')   # in place: only the file's ctime moves
     assert not listing.scan(str(tmp_path)).parts[str(tmp_path / "org")].trusted
+
+
+def test_links_out_of_the_store_are_refused(tmp_path, demo):
+    """A hand-placed entry is read by real paths (store/disk.py ``_read``, which keeps each
+    folder's real path for the listing in progress): an adapter folder or a weights file that
+    is a link out of the store is refused with a warning, the adapters beside them are listed at
+    their real place, and a folder later replaced by a link out is refused at the next ask."""
+    store = Store(tmp_path / "adapters")
+    source = demo / "adapters" / "poet" / "v1"
+    outside = tmp_path / "outside"
+    shutil.copytree(source, outside / "a")
+    shutil.copytree(source, store.root / "org" / "a")
+    shutil.copytree(source, store.root / "org" / "b")
+    (store.root / "org" / "away").symlink_to(outside / "a")           # an adapter folder out of the store
+    shutil.copytree(source, store.root / "org" / "weights")
+    (store.root / "org" / "weights" / WEIGHTS_FILE).unlink()
+    (store.root / "org" / "weights" / WEIGHTS_FILE).symlink_to(outside / "a" / WEIGHTS_FILE)
+    listed = {a.name: a for a in store.list()}
+    assert sorted(listed) == ["org/a", "org/b"]
+    assert listed["org/a"].path == (store.root / "org" / "a").resolve()
+    assert listed["org/a"].manifest["revision"] == listed["org/b"].manifest["revision"]
+
+    shutil.rmtree(store.root / "org" / "b")                            # replaced by a link out
+    (store.root / "org" / "b").symlink_to(outside / "a")
+    assert [a.name for a in store.list()] == ["org/a"]

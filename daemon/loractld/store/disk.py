@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -108,6 +109,11 @@ def remove_partial_writes(path: Path) -> list[Path]:
     return leftovers
 
 
+def _within(path: str, root: str) -> bool:
+    """Whether the real path ``path`` is ``root`` or under it (both from os.path.realpath)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
 class Store:
     def __init__(self, root: Path, snapshot_budget: int = SNAPSHOT_BUDGET,
                  snapshot_grace_s: float = SNAPSHOT_GRACE_S) -> None:
@@ -119,6 +125,7 @@ class Store:
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[bytes | tuple, dict] = {}
+        self._real_folders: dict[str, str] = {}   # folder -> its realpath, this listing's (_real_folder)
         self._entries: dict[str, tuple[tuple | bytes, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         # The last listing, kept while it holds (``list``); every write of this store's bumps the
         # generation, so a write within one timestamp step of a listing is never missed.
@@ -224,6 +231,7 @@ class Store:
         kept = self._listing
         if kept is not None and kept[0] == self._generation and kept[1].holds():
             return list(kept[2])
+        self._real_folders = {}   # a folder replaced by a link since the last listing is seen
         generation = self._generation
         # Stats before reads: a racing change shows next time. Folders unchanged since the kept
         # listing are not read again, nor are their adapters (the same parts, the same entries).
@@ -267,6 +275,7 @@ class Store:
 
     def get(self, name: str) -> StoredAdapter:
         validate_name(name)
+        self._real_folders = {}
         entry = self.root / name
         if not (entry / CONFIG_FILE).exists():
             raise AdapterNotFound(f"no adapter named {name!r} in the store",
@@ -313,14 +322,20 @@ class Store:
         return b"".join(map(packed_stat, stats))   # bytes: never equal to a link's tuple
 
     def _read(self, name: str, entry: Path) -> StoredAdapter:
-        real = entry.resolve()
-        if not real.is_relative_to(self.root.resolve()):
+        # Strings and os calls, not Path methods: a store of 10,000 hand-placed adapters reads
+        # every entry at start-up, where pathlib's parsing cost more than the reads.
+        root = self._real_folder(self._root_str)
+        real_str = os.path.realpath(entry) if os.path.islink(entry) else os.path.join(
+            self._real_folder(os.path.dirname(entry)), os.path.basename(entry))
+        real = Path(real_str)
+        if not _within(real_str, root):
             raise InvalidAdapter(f"{entry} leads out of the store (to {real})",
                                  "Copy the adapter into the store instead of linking to it.")
         for f in (CONFIG_FILE, WEIGHTS_FILE):
-            if (real / f).is_symlink() and not (real / f).resolve().is_relative_to(self.root.resolve()):
-                raise InvalidAdapter(f"{real / f} is a symlink out of the store", "Copy the file into the store.")
-        hand_placed = not entry.is_symlink()
+            path = os.path.join(real_str, f)
+            if os.path.islink(path) and not _within(os.path.realpath(path), root):
+                raise InvalidAdapter(f"{path} is a symlink out of the store", "Copy the file into the store.")
+        hand_placed = not os.path.islink(entry)
         if not hand_placed:
             try:
                 manifest = json.loads((real / MANIFEST_FILE).read_text())
@@ -333,27 +348,42 @@ class Store:
             manifest = self._hand_manifest(real)
         return StoredAdapter(name, real, manifest, hand_placed)
 
+    def _real_folder(self, folder: str) -> str:
+        """``os.path.realpath(folder)``, kept until the next listing or get begins (every entry of
+        an org folder shares it; ``realpath`` costs a system call per path component)."""
+        real = self._real_folders.get(folder)
+        if real is None:
+            real = self._real_folders[folder] = os.path.realpath(folder)
+        return real
+
     def _hand_manifest(self, folder: Path) -> dict:
         """A manifest for a hand-placed adapter, computed (and cached by its files' stats), never
         written. Its files are hashed in place (``Copies.records``), which the resolver's digest
         then reuses: one read per content, no copy."""
         from loractld.store.sources import sha256_file
 
-        files = [folder / n for n in (CONFIG_FILE, WEIGHTS_FILE) if (folder / n).is_file()]
-        key = stat_key(folder) or (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        present = []   # (file, its stat), the adapter's files that are regular files
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(folder, name))
+                if stat.S_ISREG(st.st_mode):
+                    present.append((folder / name, st))
+        # As copies.stat_key(folder), from the stats above (one stat per file, not three).
+        key = (os.fsencode(folder) + b"\0" + b"".join(packed_stat(st) for _, st in present) if len(present) == 2
+               else (str(folder), tuple((f.name, st.st_size, st.st_mtime_ns) for f, st in present)))
         if key not in self._hand_manifests:
             config = read_config(folder)
             metadata = {}
-            if (folder / SEED_METADATA_FILE).is_file():
+            if os.path.isfile(os.path.join(folder, SEED_METADATA_FILE)):
                 try:
                     metadata = json.loads((folder / SEED_METADATA_FILE).read_text())
                 except ValueError:
                     metadata = {}
-            records = self.copies.records(folder) if len(files) == 2 else [
-                {"name": f.name, "size": f.stat().st_size, "sha256": sha256_file(f)} for f in files]
+            records = self.copies.records(folder, key) if len(present) == 2 else [
+                {"name": f.name, "size": st.st_size, "sha256": sha256_file(f)} for f, st in present]
             self._hand_manifests[key] = {
                 "source": "local", "ref": str(folder), "revision": "sha256:" + files_digest(records),
-                "files": records, "pulled_at": max(f.stat().st_mtime for f in files),
+                "files": records, "pulled_at": max(st.st_mtime for _, st in present),
                 "base_model": config.get("base_model_name_or_path"), "rank": config.get("r"),
                 "alpha": config.get("lora_alpha"), "target_modules": config.get("target_modules"),
                 "metadata": metadata,
