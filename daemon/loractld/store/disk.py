@@ -49,7 +49,7 @@ from loractl.names import NAME_RE, validate_name
 from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
-from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key
+from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest
 from loractld.store.listing import packed_stat
 from loractld.store import listing
 from loractld.store.leases import Lease, Leases
