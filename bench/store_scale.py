@@ -84,10 +84,11 @@ def _two_module_adapter(model_dir: Path, out: Path) -> None:
         "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False}, indent=2))
 
 
-def start(home: Path, port: int) -> tuple[subprocess.Popen, float]:
-    """Start a daemon on the tiny model; return it and its seconds from spawn to ready."""
+def start(home: Path, port: int) -> tuple[subprocess.Popen, float, float]:
+    """Start a daemon on the tiny model; return it, its seconds from spawn to ready, and the wall
+    clock at spawn (for :func:`startup_stages`)."""
     sock = home / "d.sock"
-    began = time.perf_counter()
+    began, spawned = time.perf_counter(), time.time()
     proc = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(home), "--socket", str(sock),
                              "--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "256",
                              "--http", f"127.0.0.1:{port}", "--max-cpu-loras", str(HOST_ENTRIES)],
@@ -98,9 +99,32 @@ def start(home: Path, port: int) -> tuple[subprocess.Popen, float]:
         result = subprocess.run([str(BIN / "loractl"), "status", "--json", "--socket", str(sock)],
                                 capture_output=True, text=True)
         if result.returncode == 0 and json.loads(result.stdout)["ready"]:
-            return proc, time.perf_counter() - began
+            return proc, time.perf_counter() - began, spawned
         time.sleep(0.1)
     raise SystemExit("the daemon did not come up")
+
+
+_STAGES = (("listening", "loractld: listening on"), ("store opened", "loractld: store "),
+           ("engine up", "loractld.engine: engine up in"), ("ready", "loractld: ready:"))
+
+
+def startup_stages(log: Path, spawned: float, startup: float) -> dict[str, float]:
+    """Where a start-up's seconds went, from the daemon's log lines (its logging clock is the
+    wall clock): spawn to each stage's line, each from the one before; and what remained until
+    the bench's ``status`` poll saw it ready. Stages without a line are left out."""
+    import datetime
+
+    stages, last = {}, spawned
+    lines = log.read_text(errors="replace").splitlines()
+    for stage, marker in _STAGES:
+        line = next((line for line in lines if marker in line), None)
+        if line is None:
+            continue
+        at = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        stages[stage] = round(at - last, 2)
+        last = at
+    stages["seen ready by the bench"] = round(spawned + startup - last, 2)
+    return stages
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -127,7 +151,7 @@ def measure(home: Path, runs: int, expect: int, pulls: list[Path] = ()) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc, startup = start(home, port)
+    proc, startup, spawned = start(home, port)
     sock = str(home / "d.sock")
     try:
         def cli(*args: str) -> str:
@@ -144,7 +168,8 @@ def measure(home: Path, runs: int, expect: int, pulls: list[Path] = ()) -> dict:
         times = {"ls --json": timed(lambda: cli("ls", "--json"), runs),
                  "status --json": timed(lambda: cli("status", "--json"), runs),
                  "/v1/models": timed(models, runs)}
-        report = {"startup_s": round(startup, 2), "listed": listed, "served_models": served,
+        report = {"startup_s": round(startup, 2), "startup_stages_s": startup_stages(home / "d.log", spawned, startup),
+                  "listed": listed, "served_models": served,
                   "median_s": {k: round(statistics.median(v), 3) for k, v in times.items()},
                   "max_s": {k: round(max(v), 3) for k, v in times.items()}}
         if expect > 10:
