@@ -49,6 +49,11 @@ def stat_key(folder: Path) -> bytes | None:
         stats = [os.stat(folder / n) for n in (CONFIG_FILE, WEIGHTS_FILE)]
     except OSError:
         return None
+    return stat_key_of(folder, stats)
+
+
+def stat_key_of(folder: Path, stats: list[os.stat_result]) -> bytes:
+    """:func:`stat_key` from stats already taken (the config's, then the weights')."""
     return os.fsencode(folder) + b"\0" + b"".join(map(packed_stat, stats))
 
 

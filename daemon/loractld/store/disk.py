@@ -49,7 +49,7 @@ from loractl.names import NAME_RE, validate_name
 from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
-from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest
+from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key_of
 from loractld.store.listing import packed_stat
 from loractld.store import listing
 from loractld.store.leases import Lease, Leases
@@ -114,6 +114,15 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def _real_folder(known: dict[str, str], folder: str) -> str:
+    """``os.path.realpath(folder)``, looked up in ``known`` first (``realpath`` costs a system
+    call per path component, and every entry of an org folder shares its folder's)."""
+    real = known.get(folder)
+    if real is None:
+        real = known[folder] = os.path.realpath(folder)
+    return real
+
+
 class Store:
     def __init__(self, root: Path, snapshot_budget: int = SNAPSHOT_BUDGET,
                  snapshot_grace_s: float = SNAPSHOT_GRACE_S) -> None:
@@ -125,7 +134,6 @@ class Store:
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[bytes | tuple, dict] = {}
-        self._real_folders: dict[str, str] = {}   # folder -> its realpath, this listing's (_real_folder)
         self._entries: dict[str, tuple[tuple | bytes, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         # The last listing, kept while it holds (``list``); every write of this store's bumps the
         # generation, so a write within one timestamp step of a listing is never missed.
@@ -231,7 +239,6 @@ class Store:
         kept = self._listing
         if kept is not None and kept[0] == self._generation and kept[1].holds():
             return list(kept[2])
-        self._real_folders = {}   # a folder replaced by a link since the last listing is seen
         generation = self._generation
         # Stats before reads: a racing change shows next time. Folders unchanged since the kept
         # listing are not read again, nor are their adapters (the same parts, the same entries).
@@ -242,6 +249,7 @@ class Store:
                       for name, _ in part.found}
             same = {a.name: a for a in kept[2] if a.name in reused}
         adapters = []
+        real_folders: dict[str, str] = {}   # this listing's: every entry of an org folder shares it
         for name, path in walk.found:
             if (adapter := same.get(name)) is not None:
                 adapters.append(adapter)
@@ -251,7 +259,7 @@ class Store:
                 _log.warning("ignoring %s: %r is not a valid adapter name", entry, name)
                 continue
             try:
-                adapters.append(self._load(name, entry))
+                adapters.append(self._load(name, entry, real_folders))
             except LoractlError as e:
                 _log.warning("ignoring %s: %s", entry, e.message)
             except DamagedManifest as e:
@@ -275,7 +283,6 @@ class Store:
 
     def get(self, name: str) -> StoredAdapter:
         validate_name(name)
-        self._real_folders = {}
         entry = self.root / name
         if not (entry / CONFIG_FILE).exists():
             raise AdapterNotFound(f"no adapter named {name!r} in the store",
@@ -287,14 +294,14 @@ class Store:
             raise InvalidAdapter(f"adapter {name!r} is damaged: {e}",
                                  f"Remove it (loractl rm {name}) and pull it again.") from e
 
-    def _load(self, name: str, entry: Path) -> StoredAdapter:
+    def _load(self, name: str, entry: Path, real_folders: dict[str, str] | None = None) -> StoredAdapter:
         """What ``entry`` holds, read again only when it changed (:meth:`entry_key`): ls, status
         and /v1/models read every entry, and each costs two or three system calls unchanged."""
         key = self.entry_key(name)
         known = self._entries.get(name)
         if key is not None and known is not None and known[0] == key:
             return known[1]
-        adapter = self._read(name, entry)
+        adapter = self._read(name, entry, {} if real_folders is None else real_folders)
         if key is not None:
             self._entries[name] = (key, adapter)
         return adapter
@@ -321,12 +328,15 @@ class Store:
             return None
         return b"".join(map(packed_stat, stats))   # bytes: never equal to a link's tuple
 
-    def _read(self, name: str, entry: Path) -> StoredAdapter:
+    def _read(self, name: str, entry: Path, real_folders: dict[str, str]) -> StoredAdapter:
+        """What ``entry`` holds. ``real_folders`` maps folders to their real paths for the
+        listing in progress (a new listing sees a folder replaced by a link since the last)."""
         # Strings and os calls, not Path methods: a store of 10,000 hand-placed adapters reads
         # every entry at start-up, where pathlib's parsing cost more than the reads.
-        root = self._real_folder(self._root_str)
-        real_str = os.path.realpath(entry) if os.path.islink(entry) else os.path.join(
-            self._real_folder(os.path.dirname(entry)), os.path.basename(entry))
+        root = _real_folder(real_folders, self._root_str)
+        hand_placed = not os.path.islink(entry)
+        real_str = os.path.realpath(entry) if not hand_placed else os.path.join(
+            _real_folder(real_folders, os.path.dirname(entry)), os.path.basename(entry))
         real = Path(real_str)
         if not _within(real_str, root):
             raise InvalidAdapter(f"{entry} leads out of the store (to {real})",
@@ -335,7 +345,6 @@ class Store:
             path = os.path.join(real_str, f)
             if os.path.islink(path) and not _within(os.path.realpath(path), root):
                 raise InvalidAdapter(f"{path} is a symlink out of the store", "Copy the file into the store.")
-        hand_placed = not os.path.islink(entry)
         if not hand_placed:
             try:
                 manifest = json.loads((real / MANIFEST_FILE).read_text())
@@ -347,14 +356,6 @@ class Store:
         else:
             manifest = self._hand_manifest(real)
         return StoredAdapter(name, real, manifest, hand_placed)
-
-    def _real_folder(self, folder: str) -> str:
-        """``os.path.realpath(folder)``, kept until the next listing or get begins (every entry of
-        an org folder shares it; ``realpath`` costs a system call per path component)."""
-        real = self._real_folders.get(folder)
-        if real is None:
-            real = self._real_folders[folder] = os.path.realpath(folder)
-        return real
 
     def _hand_manifest(self, folder: Path) -> dict:
         """A manifest for a hand-placed adapter, computed (and cached by its files' stats), never
@@ -368,8 +369,8 @@ class Store:
                 st = os.stat(os.path.join(folder, name))
                 if stat.S_ISREG(st.st_mode):
                     present.append((folder / name, st))
-        # As copies.stat_key(folder), from the stats above (one stat per file, not three).
-        key = (os.fsencode(folder) + b"\0" + b"".join(packed_stat(st) for _, st in present) if len(present) == 2
+        # copies.stat_key(folder), from the stats above (one stat per file, not three).
+        key = (stat_key_of(folder, [st for _, st in present]) if len(present) == 2
                else (str(folder), tuple((f.name, st.st_size, st.st_mtime_ns) for f, st in present)))
         if key not in self._hand_manifests:
             config = read_config(folder)
