@@ -34,12 +34,24 @@ class _Other(Exception):
 
 def messages_json(messages) -> str | None:
     """The messages as an indented JSON list (see the module), or None."""
-    if not messages:
-        return "[]"
     try:
-        return "[\n  " + ",\n  ".join([_writer(m.DESCRIPTOR)(m, "\n  ") for m in messages]) + "\n]"
+        return list_json([_writer(m.DESCRIPTOR)(m, "\n  ") for m in messages])
     except _Other:
         return None
+
+
+def message_json(message, indent: str = "\n  ") -> str | None:
+    """One message as it stands in :func:`messages_json`'s list (``indent``: the new line and
+    spaces its fields' lines start after), or None; ``list_json`` joins such texts."""
+    try:
+        return _writer(message.DESCRIPTOR)(message, indent)
+    except _Other:
+        return None
+
+
+def list_json(texts: list[str]) -> str:
+    """Texts of :func:`message_json` (list indent) as :func:`messages_json` writes their list."""
+    return "[\n  " + ",\n  ".join(texts) + "\n]" if texts else "[]"
 
 
 def _double(value: float) -> str:

@@ -174,6 +174,30 @@ def test_ls_human_output_fits_80_columns(daemon, demo):
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
 
 
+def test_ls_json_is_the_daemons_text_of_the_listing_the_client_decodes(daemon, demo):
+    """``ls --json`` prints the text the daemon wrote (ListReply.json): exactly what the CLI writes
+    from the listing's messages through dicts (json.dumps, indent 2, sorted keys), for adapters
+    on disk, one just served (its residency and use changed since its entry was listed) and the
+    rest of the session's store."""
+    from loractl.cli._output import dumps_indented
+    from loractl.cli._quick import message
+    from loractl.messages import to_dict
+    from loractl.v1 import loractl_pb2 as pb
+
+    assert cli(daemon, "pull", str(demo / "adapters" / "poet" / "v1"), "--name", "as-text/v1").returncode == 0
+    assert cli(daemon, "ls", "--json").returncode == 0   # its text kept as unchanged
+    assert cli(daemon, "run", "--lora", "as-text/v1", "-t", "0", "-n", "2", "hi").returncode == 0
+    printed = cli(daemon, "ls", "--json")
+    assert printed.returncode == 0, printed.stderr
+    ask = ("/loractl.v1.Loractl/List", pb.ListReply)
+    as_text = message(str(daemon.socket), None, ask[0], pb.ListRequest(json=True), ask[1])
+    messages = message(str(daemon.socket), None, ask[0], pb.ListRequest(), ask[1])
+    assert as_text.json and not as_text.adapters and messages.adapters and not messages.json
+    assert printed.stdout == as_text.json + "\n" == dumps_indented(to_dict(messages)["adapters"]) + "\n"
+    served = next(a for a in json.loads(printed.stdout) if a["name"] == "as-text/v1")
+    assert served["requests"] >= 1 and served["tier"] != "disk", served
+
+
 def test_recover_clears_what_an_install_killed_before_its_rename_left(tmp_path, demo):
     """Store.install cut between the object's rename and the name's (tests/test_kill_points.py
     kills the daemon there) leaves the object, a temporary link (at the root for a bare name, in

@@ -156,10 +156,12 @@ def test_every_reply_decodes_and_prints_as_json_format_and_json_dumps_do():
 
 def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
     """ListedMessages joins each adapter's bytes made once from its manifest's view with the
-    bytes of the fields its listing's copy changed; decoded, that is the message made afresh —
+    bytes of the fields its listing's copy changed (and keeps each one's ls --json text); decoded,
+    that is the message made afresh (the text: the CLI's text of it) —
     for fields set to other values, to their proto default (slot 0: not encoded, so the whole
     message is made instead), a list changed, a view with no base, and on later asks with some
     bases kept and one replaced."""
+    from loractl.message_json import messages_json
     from loractl.v1 import loractl_pb2 as pb
     from loractld.api.grpc_service import ListedMessages, adapter_message
     from loractld.views import AdapterView, MergeView
@@ -185,6 +187,8 @@ def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
         views = listing(bases)
         reply = listed.reply(views)
         assert reply == pb.ListReply(adapters=[adapter_message(v) for v in views]), ask
+        # ls --json's text, from texts kept per base the same way: as the CLI writes it afresh.
+        assert listed.reply_json(views) == messages_json(reply.adapters), ask
         assert reply.adapters[2].slot == 0 and reply.adapters[0].rank == (16 if ask == 2 else 4)
 
 

@@ -96,14 +96,17 @@ def _quick_list(socket: str | None, home: str | None) -> list[dict[str, Any]] | 
 
 
 def _quick_json(socket: str | None, home: str | None) -> str | None:
-    """``ls --json``'s text written from the reply's messages, no dicts between (at 10,000 adapters
+    """``ls --json``'s text as the daemon wrote it (``ListReply.json``), or written here from the
+    reply's messages (a daemon from before that field), no dicts between (at 10,000 adapters
     they cost more than the text; ``loractl.message_json``); None: the dicts' way."""
     from loractl.cli._quick import message
     from loractl.message_json import messages_json
     from loractl.v1 import loractl_pb2 as pb
 
-    answer = message(socket, home, "/loractl.v1.Loractl/List", pb.ListRequest(), pb.ListReply)
-    return None if answer is None else messages_json(answer.adapters)
+    answer = message(socket, home, "/loractl.v1.Loractl/List", pb.ListRequest(json=True), pb.ListReply)
+    if answer is None:
+        return None
+    return answer.json or messages_json(answer.adapters)
 
 
 def _plain_width() -> int | None:

@@ -522,14 +522,18 @@ class MergeRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., method: _Optional[str] = ..., svd_rank: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: bool
+    def __init__(self, json: _Optional[bool] = ...) -> None: ...
 
 class ListReply(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "json")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+    json: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ..., json: _Optional[str] = ...) -> None: ...
 
 class ShowRequest(_message.Message):
     __slots__ = ("name",)

@@ -11,6 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from loractl.errors import LoractlError
+from loractld.serving.residency import ON_DISK
 from loractld.views import AdapterView
 
 if TYPE_CHECKING:
@@ -66,8 +67,7 @@ class TierOps:
         refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
         if refused is not None:
             view.state, view.error = "failed", f"{refused.message} ({refused.hint})"
-        if state is not None:
-            residency = state.residency(ref.engine_id)
+        if state is not None and (residency := state.residency(ref.engine_id)) is not ON_DISK:
             view.tier, view.pinned, view.slot, view.pin = residency.tier, residency.pinned, residency.slot, residency.pin
             view.host_bytes = residency.host_bytes
         if self.tiers is not None:

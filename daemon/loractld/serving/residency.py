@@ -21,13 +21,19 @@ class TierEngine(Protocol):
     async def remove_adapter(self, engine_id: int) -> bool: ...
 
 
-@dataclass
+@dataclass(frozen=True)
 class Residency:
+    """Where one adapter is; shared, so never changed (:data:`ON_DISK` serves every adapter
+    on disk only: a listing of 10,000 asks for 10,000)."""
+
     tier: str = "disk"
     pinned: bool = False
     slot: int = -1
     host_bytes: int = 0
     pin: str = ""           # "device", "host", or "" (not pinned)
+
+
+ON_DISK = Residency()
 
 
 @dataclass
@@ -63,7 +69,7 @@ class EngineState:
         elif engine_id in self.host:
             tier = "host"
         else:
-            return Residency()
+            return ON_DISK
         slot = self.slots.index(engine_id) if engine_id in self.slots else -1
         pin = "device" if engine_id in self.pinned_device else "host" if engine_id in self.pinned else ""
         return Residency(tier, bool(pin), slot, self.host_bytes.get(engine_id, 0), pin)
