@@ -20,7 +20,12 @@ Per round and cell both systems run back to back, the order rotated; the request
 the same for both. Figures per run: tokens/s over the run's wall time, TTFT p50/p99/p99.9, the
 resident memory of the system's processes (the daemon or API server and their children: vLLM's
 engine core) after the run, and the bytes its processes read from storage (``/proc/PID/io``
-``read_bytes``: page-cache hits are free and not counted) per served request.
+``read_bytes``: page-cache hits are free and not counted) per served request. For loractl also
+where its requests waited (``waits``, from the daemon's metrics before and after the run): at
+the admission gate for a device slot (``loractl_admission_wait_seconds``) and, past the gate,
+for an adapter that was not on the device (``loractl_adapter_load_wait_seconds``, admission to
+first token: its load and prefill) — each as a count, a sum and bucket bounds of its p50/p99
+(the histogram's: the upper bound of the bucket the quantile falls in).
 """
 
 from __future__ import annotations
@@ -139,8 +144,11 @@ async def run_matrix(systems: list, pids: dict[str, int], specs: list[dict], arg
                      "load_average_before": matrix_bench.load_average()}
             for system in order:
                 before = read_bytes(pids[system.name])
+                histograms = await wait_histograms(system)
                 result = await matrix_bench.run(system, spec, seed=2000 + index)
                 served = max(result["requests"], 1)
+                if histograms is not None:
+                    result["waits"] = waits(histograms, await wait_histograms(system))
                 result["rss_mib"] = rss_mib(pids[system.name])
                 result["disk_bytes_per_request"] = round((read_bytes(pids[system.name]) - before) / served)
                 entry[system.name] = result
@@ -155,6 +163,53 @@ async def run_matrix(systems: list, pids: dict[str, int], specs: list[dict], arg
                                 if any(r[s].get(f) is not None for r in rounds)}
                             for s in ("measured", "server")}
     return results
+
+
+WAITS = {"gate": ("loractl_admission_wait_seconds", None),                 # per adapter: summed
+         "load": ("loractl_adapter_load_wait_seconds", "from")}              # per tier it came from
+
+
+async def wait_histograms(system) -> dict | None:
+    """The daemon's wait histograms now, summed over adapters (``{(kind, group): {le: count}}``,
+    cumulative, with ``"sum"``); None for a system that is not loractl."""
+    if not hasattr(system, "client") or not hasattr(system.client, "metrics"):
+        return None
+    found: dict = {}
+    for line in (await system.client.metrics()).splitlines():
+        for kind, (name, by) in WAITS.items():
+            if not line.startswith(name):
+                continue
+            labels = dict(part.split("=", 1) for part in line[line.find("{") + 1:line.rfind("}")].split(",")
+                          if "=" in part) if "{" in line else {}
+            group = labels.get(by, "").strip('"') if by else ""
+            series = found.setdefault((kind, group), {})
+            value = float(line.rsplit(" ", 1)[1])
+            if line.startswith(name + "_bucket"):
+                le = labels["le"].strip('"')
+                series[le] = series.get(le, 0) + value
+            elif line.startswith(name + "_sum"):
+                series["sum"] = series.get("sum", 0) + value
+    return found
+
+
+def waits(before: dict, after: dict) -> dict:
+    """What the requests of one run waited for (:func:`wait_histograms` before and after it)."""
+    report = {}
+    for key, series in after.items():
+        old = before.get(key, {})
+        delta = {le: v - old.get(le, 0) for le, v in series.items()}
+        count = delta.get("+Inf", 0)
+        if not count:
+            continue
+        bounds = sorted((float(le), v) for le, v in delta.items() if le not in ("sum", "+Inf"))
+
+        def quantile(q: float) -> str:
+            return next((f"<= {le:g} s" for le, v in bounds if v >= q * count), "> largest bound")
+        report["/".join(filter(None, key))] = {
+            "count": int(count), "sum_s": round(delta.get("sum", 0), 3),
+            "over_1ms": int(count - next((v for le, v in bounds if le == 0.001), 0)),
+            "p50": quantile(0.5), "p99": quantile(0.99)}
+    return report
 
 
 def markdown(results: dict) -> str:
