@@ -25,7 +25,9 @@ where its requests waited (``waits``, from the daemon's metrics before and after
 the admission gate for a device slot (``loractl_admission_wait_seconds``) and, past the gate,
 for an adapter that was not on the device (``loractl_adapter_load_wait_seconds``, admission to
 first token: its load and prefill) — each as a count, a sum and bucket bounds of its p50/p99
-(the histogram's: the upper bound of the bucket the quantile falls in).
+(the histogram's: the upper bound of the bucket the quantile falls in); and the requests that
+waited for a slot, each wait to the millisecond from its ``WAITED_FOR_SLOT`` event
+(``gate_events``).
 """
 
 from __future__ import annotations
@@ -145,10 +147,15 @@ async def run_matrix(systems: list, pids: dict[str, int], specs: list[dict], arg
             for system in order:
                 before = read_bytes(pids[system.name])
                 histograms = await wait_histograms(system)
+                if histograms is not None:
+                    await asyncio.sleep(0.5)   # the last run's events read
+                    system.take_gate_waits()
                 result = await matrix_bench.run(system, spec, seed=2000 + index)
                 served = max(result["requests"], 1)
                 if histograms is not None:
                     result["waits"] = waits(histograms, await wait_histograms(system))
+                    await asyncio.sleep(0.5)
+                    result["waits"]["gate_events"] = gate_events(system.take_gate_waits())
                 result["rss_mib"] = rss_mib(pids[system.name])
                 result["disk_bytes_per_request"] = round((read_bytes(pids[system.name]) - before) / served)
                 entry[system.name] = result
@@ -190,6 +197,19 @@ async def wait_histograms(system) -> dict | None:
             elif line.startswith(name + "_sum"):
                 series["sum"] = series.get("sum", 0) + value
     return found
+
+
+def gate_events(waits_s: list[float]) -> dict:
+    """The requests that waited for a slot, from their ``WAITED_FOR_SLOT`` events (each names its
+    wait to the millisecond): how many, and their waits' p50, p90, p99 and longest."""
+    if not waits_s:
+        return {"count": 0}
+    ordered = sorted(waits_s)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)
+    return {"count": len(ordered), "p50_ms": at(0.5), "p90_ms": at(0.9), "p99_ms": at(0.99),
+            "max_ms": round(ordered[-1] * 1000, 1)}
 
 
 def waits(before: dict, after: dict) -> dict:
@@ -278,6 +298,7 @@ def main() -> None:
 
         async def drive() -> dict:
             systems = [PolicySystem("measured", daemon.socket, names), ServerSystem(server[1], str(model_dir), names)]
+            await systems[0].start_watching()
             try:
                 return await run_matrix(systems, {"measured": daemon.proc.pid, "server": server[0].pid}, specs, args)
             finally:

@@ -10,8 +10,9 @@ Usage:  .venv/bin/python bench/store_scale.py [--adapters N] [--runs R] [--json 
 
 The adapters are one real adapter for the tiny test model written once, then copied N times with
 its last weight changed, so every copy has content (and a digest) of its own. ``--profile`` runs
-the path of ``ls --json`` in this process stage by stage (store, views, the gRPC reply, the CLI's
-decoding and JSON), then under cProfile (no engine), to show where the time goes.
+the path of ``ls --json`` in this process stage by stage (store, views, the text the daemon
+writes for ``ls --json``, the gRPC reply of messages and the CLI's decoding and JSON of it: the
+path of other clients), then under cProfile (no engine), to show where the time goes.
 """
 
 from __future__ import annotations
@@ -266,7 +267,9 @@ def profile(count: int) -> None:
     from loractl.message_json import messages_json
     from loractl.messages import to_dict
     from loractl.v1 import loractl_pb2 as pb
+    from loractl.message_json import message_json
     from loractld.api.grpc_service import ListedMessages, adapter_message
+    from loractld.api.listed_text import ListedText
     from loractld.core.disk_ops import DiskOps
     from loractld.core.tier_ops import TierOps
     from loractld.engine.client import EngineSettings
@@ -287,6 +290,7 @@ def profile(count: int) -> None:
                 return catalog
 
         core, listed = Listing(), ListedMessages()
+        as_text = ListedText(lambda view: message_json(adapter_message(view)))
 
         def ls() -> dict[str, float]:
             took, began = {}, time.perf_counter()
@@ -297,6 +301,8 @@ def profile(count: int) -> None:
                 began = time.perf_counter()
             views = asyncio.run(core.list_adapters())
             lap("daemon: store + views")
+            written = as_text.reply(views)
+            lap("daemon: ls --json's text (what ls --json asks)")
             data = listed.reply(views).SerializeToString()
             lap("daemon: gRPC reply")
             # The reply made from the kept messages is the one made afresh (not timed).
@@ -306,7 +312,7 @@ def profile(count: int) -> None:
             lap("cli: JSON from the messages")
             dumps_indented(to_dict(pb.ListReply.FromString(data))["adapters"])
             lap("cli: JSON through dicts (other commands)")
-            assert text is not None
+            assert text is not None and written.decode() == text
             return took
         for label in ("first (cold)", "second (warm)", "third (warm)"):
             print(f"== {label}: {json.dumps(ls())}")

@@ -45,12 +45,13 @@ FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")
 
 
 class PolicySystem(LoractlSystem):
-    """loractl under one admission policy; records the longest wait at its gate."""
+    """loractl under one admission policy; records each wait at its gate (``WAITED_FOR_SLOT``)."""
 
     def __init__(self, policy: str, socket_path: Path, names: list[str]) -> None:
         super().__init__(socket_path, names)
         self.name = policy
         self.longest_wait_s = 0.0
+        self.gate_waits_s: list[float] = []   # since the last take_gate_waits
         self._watch: asyncio.Task | None = None
 
     async def start_watching(self) -> None:
@@ -59,6 +60,7 @@ class PolicySystem(LoractlSystem):
                 found = re.search(r"waited ([0-9.]+) s", event["message"]) if event["kind"] == "WAITED_FOR_SLOT" else None
                 if found:
                     self.longest_wait_s = max(self.longest_wait_s, float(found.group(1)))
+                    self.gate_waits_s.append(float(found.group(1)))
 
         self._watch = asyncio.create_task(follow())
         await asyncio.sleep(0.2)
@@ -66,6 +68,10 @@ class PolicySystem(LoractlSystem):
     def take_longest_wait(self) -> float:
         longest, self.longest_wait_s = self.longest_wait_s, 0.0
         return longest
+
+    def take_gate_waits(self) -> list[float]:
+        waits, self.gate_waits_s = self.gate_waits_s, []
+        return waits
 
     async def close(self) -> None:
         if self._watch is not None:

@@ -161,9 +161,10 @@ def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
     for fields set to other values, to their proto default (slot 0: not encoded, so the whole
     message is made instead), a list changed, a view with no base, and on later asks with some
     bases kept and one replaced."""
-    from loractl.message_json import messages_json
+    from loractl.message_json import message_json, messages_json
     from loractl.v1 import loractl_pb2 as pb
     from loractld.api.grpc_service import ListedMessages, adapter_message
+    from loractld.api.listed_text import ListedText
     from loractld.views import AdapterView, MergeView
 
     def base(i: int) -> AdapterView:
@@ -180,6 +181,7 @@ def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
         return views + [base(9)]                                                                # no base
 
     bases, listed = [base(i) for i in range(6)], ListedMessages()
+    as_text = ListedText(lambda view: message_json(adapter_message(view)))
     for ask in range(3):
         if ask == 2:
             bases[0] = base(0)   # its store entry changed: a new view, its bytes made again
@@ -188,8 +190,54 @@ def test_a_listing_reply_from_kept_bytes_is_the_reply_made_afresh():
         reply = listed.reply(views)
         assert reply == pb.ListReply(adapters=[adapter_message(v) for v in views]), ask
         # ls --json's text, from texts kept per base the same way: as the CLI writes it afresh.
-        assert listed.reply_json(views) == messages_json(reply.adapters), ask
+        assert as_text.reply(views).decode() == messages_json(reply.adapters), ask
         assert reply.adapters[2].slot == 0 and reply.adapters[0].rank == (16 if ask == 2 else 4)
+
+
+def test_ls_text_kept_between_listings_is_the_text_written_afresh():
+    """ListedText reuses spans of the last listing's text for unchanged copies of the same base
+    views: over listings that add, drop, reorder, replace and change entries, repeat themselves
+    (the same object back) and empty out, its text is each view's text written afresh, joined."""
+    import random
+
+    from loractl.message_json import list_json, message_json
+    from loractld.api.grpc_service import adapter_message
+    from loractld.api.listed_text import ListedText
+    from loractld.views import AdapterView
+
+    def write(view: AdapterView) -> str:
+        return message_json(adapter_message(view))
+
+    def base(i: int) -> AdapterView:
+        return AdapterView(name=f"org/a{i}", rank=4 + i, path=f"/s/a{i}", files=[{"name": "w", "size": i, "sha256": ""}])
+
+    rng, listed = random.Random(48), ListedText(write)
+    bases = {i: base(i) for i in range(12)}
+    last = None
+    for ask in range(60):
+        if ask % 7 == 3:
+            bases[rng.randrange(12)] = base(rng.randrange(12))   # an entry replaced: a new base view
+        if ask % 10 == 9:
+            views = []
+        elif last is not None and ask % 5 == 4:
+            views = [v.base.copy() for v in last if v.changes() is not None]   # the last entries, unchanged
+        else:
+            chosen = sorted(rng.sample(sorted(bases), rng.randrange(1, 12)))
+            if rng.random() < 0.3:
+                rng.shuffle(chosen)
+            views = [bases[i].copy() for i in chosen]
+            for view in views:
+                if rng.random() < 0.2:
+                    view.tier, view.requests = "host", rng.randrange(1, 9)   # changed: written afresh
+            if rng.random() < 0.2:
+                views.append(base(99))                                       # no base
+        text = listed.reply(views)
+        assert text.decode() == list_json([write(v) for v in views]), ask
+        if ask % 5 == 4 and views:
+            again = [v.base.copy() for v in views]
+            assert listed.reply(again) is text, ask   # the same listing again: the same object
+        last = views
+    assert listed.reply([]) == b"[]"
 
 
 def test_garbage_collection_keeps_every_linked_object(tmp_path, demo):

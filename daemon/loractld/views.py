@@ -7,6 +7,7 @@ the .proto reaches both doors.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,6 +100,21 @@ class AdapterView:
         clone.__dict__.update(self.__dict__)
         clone.__dict__["base"] = self
         return clone
+
+    def changes(self) -> dict | None:
+        """The fields this copy (:meth:`copy`) holds other objects in than its base, by identity
+        (a copy shares every value it did not set); None for a view that is not a copy."""
+        fields = self.__dict__
+        base = fields.get("base")
+        if base is None:
+            return None
+        base_fields = base.__dict__
+        # A copy's fields are its base's, in its base's order, then "base": compared pairwise in
+        # C first (most copies of a large listing changed nothing; the dict cost 28 ms at 10,000).
+        if len(fields) == len(base_fields) + 1 and not any(map(operator.is_not, fields.values(),
+                                                               base_fields.values())):
+            return {}
+        return {k: v for k, v in fields.items() if base_fields.get(k) is not v and k != "base"}
 
     @classmethod
     def of(cls, adapter: Stored) -> AdapterView:
