@@ -179,7 +179,7 @@ WAITS = {"gate": ("loractl_admission_wait_seconds", None),                 # per
 async def wait_histograms(system) -> dict | None:
     """The daemon's wait histograms now, summed over adapters (``{(kind, group): {le: count}}``,
     cumulative, with ``"sum"``); None for a system that is not loractl."""
-    if not hasattr(system, "client") or not hasattr(system.client, "metrics"):
+    if not isinstance(system, PolicySystem):
         return None
     found: dict = {}
     for line in (await system.client.metrics()).splitlines():

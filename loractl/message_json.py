@@ -49,9 +49,12 @@ def message_json(message, indent: str = "\n  ") -> str | None:
         return None
 
 
+LIST_OPEN, LIST_SEPARATOR, LIST_CLOSE = "[\n  ", ",\n  ", "\n]"   # a non-empty list's; an empty one is "[]"
+
+
 def list_json(texts: list[str]) -> str:
     """Texts of :func:`message_json` (list indent) as :func:`messages_json` writes their list."""
-    return "[\n  " + ",\n  ".join(texts) + "\n]" if texts else "[]"
+    return LIST_OPEN + LIST_SEPARATOR.join(texts) + LIST_CLOSE if texts else "[]"
 
 
 def _double(value: float) -> str:
