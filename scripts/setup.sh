@@ -5,7 +5,8 @@
 #                                frontend and lm-evaluation-harness in venvs of their own
 # Idempotent: when pyproject.toml and this script are unchanged since the last run of the
 # same kind (or of the fuller one), it returns at once. Override the interpreter with
-# PYTHON=..., the folder with LORACTL_VENV=...
+# PYTHON=..., the folder with LORACTL_VENV=..., the free space it asks for first with
+# LORACTL_SETUP_NEED_MIB=... (MiB; 3072 by default).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +36,20 @@ pip_quiet() {
   return "${PIPESTATUS[0]}"
 }
 
-echo "setup: creating $VENV with $("$PY" -V 2>&1) (vLLM for CPU, about 2.5 GiB; a few minutes the first time)"
+# A venv of vLLM and torch for the CPU is about 2.7 GiB: say so before pip fills the disk and
+# stops half way (`[Errno 28] No space left on device` after minutes), not after.
+NEED_MIB=${LORACTL_SETUP_NEED_MIB:-3072}
+if [ ! -x "$VENV/bin/loractld" ]; then
+  where=$VENV
+  while [ ! -d "$where" ]; do where=$(dirname "$where"); done
+  free_mib=$(df -Pm "$where" 2>/dev/null | awk 'NR == 2 { print $4 }')
+  if [ -n "$free_mib" ] && [ "$free_mib" -lt "$NEED_MIB" ]; then
+    echo "setup: $free_mib MiB free on the disk of $(cd "$where" && pwd), and $VENV needs about $NEED_MIB MiB" \
+         "(vLLM and torch for the CPU); free some space there, or set LORACTL_VENV to a folder on a larger disk" >&2
+    exit 1
+  fi
+fi
+echo "setup: creating $VENV with $("$PY" -V 2>&1) (vLLM for CPU, about 2.7 GiB; a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 if [ "$MODE" = main ]; then
   extras="cpu"

@@ -16,7 +16,13 @@ Invariants:
   timeout, counted from when a test first waits for it) fails the test that needs it with the
   tails of both (``ok``), never silently;
 - at the session's end every job still running is killed with its whole process group, and
-  every job's folder is removed.
+  every job's folder is removed;
+- a job that declares the disk it fills (``disk_bytes``: a venv of vLLM and torch) starts only
+  while the free space under /tmp covers it, what the other such jobs still building will write
+  and ``DISK_RESERVE`` for the suite itself; else it is deferred until another job's folder is
+  removed (``clean``) or a test waits for it. Two venvs built at once filled a CI machine's
+  disk (stop 54: ``[Errno 28] No space left on device`` in the first-run venv); one at a time
+  they fit where either alone does, and where the disk is large they still start together.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import pytest
 
 # (command, working folder, environment) for a job, given the folder it may write in.
 Make = Callable[[Path], "tuple[list[str], Path, dict[str, str]]"]
+# Room left for what the suite writes beside the jobs (daemons' homes, models, logs).
+DISK_RESERVE = 2 << 30
 LOWEST_PRIORITY = [*(["nice", "-n", "19"] if shutil.which("nice") else []),
                    *(["ionice", "-c", "3"] if shutil.which("ionice") else [])]
 
@@ -43,13 +51,20 @@ class Job:
     name: str
     module: str   # the test module whose selected tests need it
     make: Make
+    disk_bytes: int = 0   # about what the job writes; 0: small, never deferred
     root: Path | None = None
     proc: subprocess.Popen | None = None
     done: subprocess.CompletedProcess | None = None
     files: list = field(default_factory=list)
+    cleaned: bool = False
+    wanted: bool = False   # a selected test needs it: deferred, it starts once there is room
 
-    def start(self) -> None:
+    def start(self, *, waited: bool = False) -> None:
+        """Start the job, unless it is a disk job without room yet (``waited``: a test needs it
+        now, so it starts whatever the room)."""
         if self.proc is not None:
+            return
+        if not waited and not room_for(self):
             return
         self.root = Path(tempfile.mkdtemp(prefix=f"lcbg-{self.name}-", dir="/tmp"))
         cmd, cwd, env = self.make(self.root)
@@ -66,7 +81,7 @@ class Job:
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the job (started now if it was not); its exit status and output. A job still
         running after ``timeout`` s of waiting is killed and fails the test."""
-        self.start()
+        self.start(waited=True)
         if self.done is None:
             self.hurry()
             try:
@@ -120,14 +135,52 @@ class Job:
             f.close()
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+            self.cleaned = True
+            if not ENDING:
+                start_deferred()
+
+    @property
+    def building(self) -> bool:
+        """Started, folder not yet removed, and still writing."""
+        return self.proc is not None and not self.cleaned and self.proc.poll() is None
+
+    @property
+    def holding(self) -> bool:
+        """Started and its folder not yet removed."""
+        return self.proc is not None and not self.cleaned
 
 
 JOBS: dict[str, Job] = {}
+ENDING = False   # the session is ending: a job cleaned then starts no deferred one
 
 
-def register(name: str, module: str, make: Make) -> None:
-    """Declare a job, at a test module's import (``module``: its ``__name__``)."""
-    JOBS.setdefault(name, Job(name, module, make))
+def register(name: str, module: str, make: Make, disk_bytes: int = 0) -> None:
+    """Declare a job, at a test module's import (``module``: its ``__name__``; ``disk_bytes``:
+    about what it writes, for a job that may not fit beside another)."""
+    JOBS.setdefault(name, Job(name, module, make, disk_bytes))
+
+
+def free_disk() -> int:
+    return shutil.disk_usage("/tmp").free
+
+
+def room_for(job: Job) -> bool:
+    """Whether ``job`` may start now: small, the only disk job holding a folder, or the free
+    space covers it, what the disk jobs still building will write, and the reserve."""
+    if not job.disk_bytes:
+        return True
+    others = [j for j in JOBS.values() if j is not job and j.disk_bytes and j.holding]
+    if not others:
+        return True
+    still_to_write = sum(j.disk_bytes for j in others if j.building)
+    return free_disk() >= job.disk_bytes + still_to_write + DISK_RESERVE
+
+
+def start_deferred() -> None:
+    """Start the deferred jobs that now have room, in the order they were declared."""
+    for j in JOBS.values():
+        if j.wanted and j.proc is None and not j.cleaned:
+            j.start()
 
 
 def job(name: str) -> Job:
@@ -140,9 +193,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
     for j in JOBS.values():
         if j.module in wanted:
+            j.wanted = True
             j.start()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    global ENDING
+    ENDING = True
     for j in JOBS.values():
         j.clean()

@@ -63,3 +63,46 @@ def test_a_broken_job_fails_its_test_with_its_output_and_the_rest_end_with_the_s
     assert not alive, "the endless job outlived the session"
     assert not (tmp_path / "unneeded").exists(), "a job of a module not selected was started"
     assert not Path((tmp_path / "endless-root").read_text().strip()).exists(), "a job's folder was left"
+
+
+DISK_JOBS = '''
+import support_background as background
+
+GIB = 1 << 30
+background.free_disk = lambda: int({free_gib} * GIB)   # the disk the jobs see
+
+def shell(script):
+    return lambda root: (["sh", "-c", script], root, {"PATH": "/usr/bin:/bin"})
+
+background.register("venv-a", "test_disk", shell("sleep 2; date +%s.%N"), disk_bytes=3 * GIB)
+background.register("venv-b", "test_disk", shell("date +%s.%N"), disk_bytes=4 * GIB)
+background.register("resolve", "test_disk", shell("date +%s.%N"))
+'''
+
+DISK_NEEDS = '''
+import support_background as background
+
+def test_the_disk_jobs():
+    a, b, small = (background.job(n) for n in ("venv-a", "venv-b", "resolve"))
+    assert small.proc is not None, "a small job waited for room"
+    assert a.proc is not None, "the first disk job waited with no other holding a folder"
+    started_together = b.proc is not None
+    print("TOGETHER" if started_together else "DEFERRED")
+    a.ok(60)
+    if not started_together:
+        assert b.proc is None, "venv-b started beside venv-a's finished but kept folder"
+        a.clean()
+        assert b.proc is not None, "venv-b did not start once venv-a's folder was removed"
+    b.ok(60)
+'''
+
+
+def test_a_disk_job_without_room_waits_for_the_other_to_be_removed_and_starts_at_once_with_room(pytester,
+                                                                                               monkeypatch):
+    pytester.makeconftest("pytest_plugins = ['support_background', 'jobs']\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    for free_gib, shown in ((8.5, "DEFERRED"), (9.5, "TOGETHER")):  # 4 + 3 still to write + 2 reserve = 9
+        pytester.makepyfile(jobs=DISK_JOBS.replace("{free_gib}", str(free_gib)), test_disk=DISK_NEEDS)
+        result = pytester.runpytest_subprocess("test_disk.py", "-s", "-p", "no:cacheprovider")
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines([f"*{shown}*"])
