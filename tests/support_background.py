@@ -140,14 +140,14 @@ class Job:
                 start_deferred()
 
     @property
-    def building(self) -> bool:
-        """Started, folder not yet removed, and still writing."""
-        return self.proc is not None and not self.cleaned and self.proc.poll() is None
-
-    @property
     def holding(self) -> bool:
         """Started and its folder not yet removed."""
         return self.proc is not None and not self.cleaned
+
+    @property
+    def building(self) -> bool:
+        """Holding its folder and still writing in it."""
+        return self.holding and self.proc.poll() is None
 
 
 JOBS: dict[str, Job] = {}
@@ -179,7 +179,7 @@ def room_for(job: Job) -> bool:
 def start_deferred() -> None:
     """Start the deferred jobs that now have room, in the order they were declared."""
     for j in JOBS.values():
-        if j.wanted and j.proc is None and not j.cleaned:
+        if j.wanted and j.proc is None:   # never started (a cleaned job was)
             j.start()
 
 

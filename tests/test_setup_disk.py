@@ -28,4 +28,3 @@ def test_setup_on_a_disk_without_room_says_so_before_pip_and_makes_nothing(tmp_p
     assert abs(shown_free - free_mib) < 1024, (shown_free, free_mib)
     assert "LORACTL_VENV" in said and "free some space" in said, said
     assert not (tmp_path / "not").exists() and "creating" not in done.stdout, done
-
