@@ -1,0 +1,99 @@
+"""A mixture-of-experts base on the CPU (issues 56 and 59): the engine starts with LoRA on and
+serves; an adapter on the attention projections answers as HF + PEFT token for token; an adapter
+that trains the experts is refused by name and the engine keeps serving.
+
+Before: the first request on a MoE base killed the engine (vLLM picks Triton's MoE experts
+whenever LoRA is on, and the CPU has no Triton). The model is a random Qwen3-MoE built here from
+transformers' own config class; the adapters are made by ``peft`` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import collect, run_cli, start_daemon, sub_home
+
+PROMPT = "hello world"
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def moe(home, demo):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = sub_home(home, "moe")
+    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            tie_word_embeddings=False, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    for p in model.parameters():   # weights large enough that an adapter changes the greedy tokens
+        torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(root / "moe-model")
+    tokenizer.save_pretrained(root / "moe-model")
+    for name, kwargs in (("attn", {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
+                         ("experts", {"target_modules": [],
+                                      "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})):
+        fresh = Qwen3MoeForCausalLM.from_pretrained(root / "moe-model", dtype=torch.float32)
+        get_peft_model(fresh, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **kwargs)).save_pretrained(
+            root / f"a-{name}")
+    d = start_daemon(root, name="moe", model=str(root / "moe-model"))
+    yield root, d
+    d.stop()
+
+
+def hf_greedy(folder, adapter=None) -> list[int]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    out = model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def served(d, lora=None) -> list[int]:
+    async def go():
+        async with d.client() as client:
+            return await collect(client, prompt=PROMPT, lora=lora, max_tokens=TOKENS, min_tokens=TOKENS,
+                                 temperature=0.0)
+    return asyncio.run(go())["ids"]
+
+
+def test_a_moe_base_serves_with_lora_on(moe):
+    root, d = moe
+    assert served(d) == hf_greedy(root / "moe-model")
+    status = run_cli("status", "--socket", str(d.socket)).stdout
+    assert "lora_target_modules" in status and "mixture-of-experts" in status   # said, with why
+
+
+def test_an_attention_adapter_answers_as_peft(moe):
+    root, d = moe
+    pulled = run_cli("pull", str(root / "a-attn"), "--name", "moe-attn/v1", "--socket", str(d.socket))
+    assert pulled.returncode == 0, pulled.stderr
+    expected = hf_greedy(root / "moe-model", root / "a-attn")
+    assert expected != hf_greedy(root / "moe-model")   # the adapter changes the answer: the oracle can tell
+    assert served(d, "moe-attn/v1") == expected
+
+
+def test_an_expert_adapter_is_refused_by_name_and_nothing_breaks(moe):
+    root, d = moe
+    pulled = run_cli("pull", str(root / "a-experts"), "--name", "moe-exp/v1", "--socket", str(d.socket))
+    assert pulled.returncode != 0
+    assert "trains the experts of this mixture-of-experts base" in pulled.stderr
+    assert "hint:" in pulled.stderr and "q_proj" in pulled.stderr
+    listed = run_cli("ls", "--socket", str(d.socket)).stdout
+    assert "moe-exp/v1" not in listed
+    as_folder = run_cli("run", "--lora", str(root / "a-experts"), "-n", "2", "hi", "--socket", str(d.socket))
+    assert as_folder.returncode != 0 and "trains the experts" in as_folder.stderr
+    assert served(d) == hf_greedy(root / "moe-model")   # the engine still serves
