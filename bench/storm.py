@@ -114,7 +114,7 @@ async def storm(socket: str, folders: list[Path], *, names: list[str], seconds: 
 
     async def run_op(client: Client, op: str, name: str) -> None:
         if op in ("pull", "re-pull"):
-            async for _ in client.pull(str(rng.choice(folders)), name=name):
+            async for _ in client.pull(str(rng.choice(folders)), name=name, force=True):   # another folder: replaced
                 pass
         elif op == "rm":
             await client.remove(name, force=True)

@@ -453,16 +453,16 @@ class Client:
                     yield to_dict(event)
 
     async def merge(self, name: str, sources: dict[str, float] | list[tuple[str, float]], *,
-                    svd_rank: int | None = None) -> dict[str, Any]:
+                    svd_rank: int | None = None, force: bool = False) -> dict[str, Any]:
         """Store under ``name`` the adapter whose delta is the weighted sum of the stored
         ``sources``' deltas (``{name: weight}`` or ``[(name, weight), ...]``): exact, by
         concatenating their ranks (PEFT's ``add_weighted_adapter``, ``cat``), or with
         ``svd_rank`` truncated to that rank (PEFT's ``svd``; ``show`` reports its error).
         Returns the merged adapter as ``show`` does; the same sources and weights again give
-        the same content."""
+        the same content. A name holding another adapter is refused unless ``force``."""
         pairs = list(sources.items()) if isinstance(sources, dict) else list(sources)
         request = pb.MergeRequest(name=name, sources=[pb.MergeSource(name=n, weight=float(w)) for n, w in pairs],
-                                  method="svd" if svd_rank else "cat", svd_rank=svd_rank or 0)
+                                  method="svd" if svd_rank else "cat", svd_rank=svd_rank or 0, force=force)
         async with self._errors():
             return to_dict(await self.stub.Merge(request, timeout=self.timeout))
 
@@ -483,23 +483,27 @@ class Client:
 
     async def create(self, name: str, modelfile: str = "", *, base: str = "", adapters: list[str] = (),
                      system: str | None = None, template: str | None = None, parameters: dict[str, Any] | None = None,
-                     messages: list[dict[str, str]] = (), license: list[str] = ()) -> dict[str, Any]:
-        """Make (or replace) the profile ``name``: a Modelfile's text (Ollama's syntax) and/or its
+                     messages: list[dict[str, str]] = (), license: list[str] = (),
+                     force: bool = False) -> dict[str, Any]:
+        """Make the profile ``name``: a Modelfile's text (Ollama's syntax) and/or its
         fields, which override its lines (``base`` is FROM; ``adapters`` are ``NAME[=WEIGHT]``;
-        ``parameters`` Ollama's names, a list value for ``stop``). Returns the profile as ``show``."""
+        ``parameters`` Ollama's names, a list value for ``stop``). Returns the profile as ``show``.
+        A profile of that name is replaced only by the same Modelfile (an update), or with ``force``."""
         params = [f"{k}={v}" for k, values in (parameters or {}).items()
                   for v in (values if isinstance(values, (list, tuple)) else [values])]
         request = pb.CreateRequest(name=name, modelfile=modelfile, adapters=list(adapters), system=system,
                                    template=template, parameters=params, license=list(license),
-                                   messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+                                   messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+                                   force=force)
         setattr(request, "from", base)
         async with self._errors():
             return to_dict(await self.stub.Create(request, timeout=self.timeout))
 
-    async def copy(self, source: str, destination: str) -> dict[str, Any]:
-        """A new name for a profile's or an adapter's content; returns the copy as ``show``."""
+    async def copy(self, source: str, destination: str, *, force: bool = False) -> dict[str, Any]:
+        """A new name for a profile's or an adapter's content; returns the copy as ``show``
+        (``force``: replace what ``destination`` holds, of the same kind)."""
         async with self._errors():
-            return to_dict(await self.stub.Copy(pb.CopyRequest(source=source, destination=destination),
+            return to_dict(await self.stub.Copy(pb.CopyRequest(source=source, destination=destination, force=force),
                                                 timeout=self.timeout))
 
     async def load(self, name: str, *, to: str = "device") -> dict[str, Any]:

@@ -20,11 +20,23 @@ def validate_name(name: str) -> str:
     if not name or len(name) > MAX_NAME_LEN or not NAME_RE.match(name) or any(
         part in (".", "..") or part.endswith(".") for part in name.split("/")
     ):
+        weighted = colon_weight(name or "")
         raise InvalidRequest(
             f"invalid adapter name {name!r}",
+            f"A weight is written with '=': {weighted[0]}={weighted[1]}." if weighted else
             "Names are lowercase letters, digits, '.', '_' and '-', with at most one '/', e.g. sql-expert/v1.",
         )
     return name
+
+
+# ``sql-expert/v1:0.7``: a weight written as Ollama writes a tag, which loractl spells ``=0.7``.
+_COLON_WEIGHT = re.compile(r"^(.+?)\s*:\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)$")
+
+
+def colon_weight(text: str) -> tuple[str, str] | None:
+    """(name, weight) when ``text`` is a valid name and a number joined by ``:`` (meant as ``=``)."""
+    match = _COLON_WEIGHT.match(text.strip())
+    return (match[1], match[2]) if match and NAME_RE.match(match[1]) else None
 
 
 def default_name(repo_id: str, subfolder: str = "") -> str:

@@ -1,4 +1,5 @@
-"""vLLM 0.26 through 0.32: each version path that loractl adapts, checked without a GPU."""
+"""vLLM 0.26 through 0.33: each version path that loractl adapts, checked without a GPU (0.33 is
+read, not run: its values here are from its wheel's source, docs/vllm-releases.md)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from loractld.engine import compat
 FIELDS_026 = ("lora_name", "lora_int_id", "lora_path", "lora_local_path", "long_lora_max_len",
               "base_model_name", "tensorizer_config_dict")
 FIELDS_032 = ("lora_name", "lora_int_id", "lora_path", "base_model_name", "load_inplace", "is_3d_lora_weight")
+FIELDS_033 = FIELDS_032   # vllm/lora/request.py unchanged in 0.33.0 (read in its wheel)
 
 
 @pytest.mark.parametrize("version, has_path", [
-    ("0.26.0", False), ("0.27.1", False), ("0.32.0", True), ("0.32.0+cpu", True),
+    # the adapter's path joined its name in the prefix-cache key in 0.31.0 (kv_cache_utils, read in each wheel)
+    ("0.26.0", False), ("0.27.1", False), ("0.30.0", False), ("0.31.0", True), ("0.32.0", True), ("0.32.0+cpu", True),
+    ("0.33.0", True), ("0.33.1", True),
 ])
 def test_supported_versions(version, has_path):
     f = compat.features(version)
@@ -46,21 +50,21 @@ def test_the_compat_range_is_the_range_the_gpu_extra_allows():
         re.fullmatch(r"vllm>=(\d+)\.(\d+),<(\d+)\.(\d+)", vllm_req).groups()[2:]
     (sup_low, sup_high) = compat.SUPPORTED
     assert (int(low[0]), int(low[1])) == sup_low
-    assert (int(high[0]), int(high[1]) - 1) == sup_high  # <0.33 allows 0.32.x, the newest supported
+    assert (int(high[0]), int(high[1]) - 1) == sup_high  # <0.34 allows 0.33.x, the newest supported
     cpu_req = next(r for r in project["project"]["optional-dependencies"]["cpu"] if r.startswith("vllm"))
     cpu_version = compat.parse_version(cpu_req.split("==")[1])
     assert sup_low <= cpu_version[:2] <= sup_high
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.33.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.34.0", "1.0.0"])
 def test_unsupported_versions_are_refused_with_a_hint(version):
     with pytest.raises(EngineUnavailable, match="not supported") as info:
         compat.features(version)
     assert "pip install" in info.value.hint
 
 
-@pytest.mark.parametrize("fields", [FIELDS_026, FIELDS_032], ids=["0.26", "0.32"])
-def test_lora_request_keywords_fit_both_layouts(fields):
+@pytest.mark.parametrize("fields", [FIELDS_026, FIELDS_032, FIELDS_033], ids=["0.26", "0.32", "0.33"])
+def test_lora_request_keywords_fit_every_layout(fields):
     kwargs = compat.lora_request_kwargs(fields, name="a@1", engine_id=5, path="/x")
     assert kwargs == {"lora_name": "a@1", "lora_int_id": 5, "lora_path": "/x"}
     assert set(kwargs) <= set(fields)

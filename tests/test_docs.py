@@ -172,3 +172,33 @@ def test_the_wheel_installs_the_man_pages_and_completions():
         "completions/loractl.fish": "share/fish/vendor_completions.d/loractl.fish",
     }
     assert all((REPO / source).is_file() for source in shared)
+
+
+def test_the_readmes_first_modelfile_runs_against_the_tours_demo_daemon():
+    """Issue 60, item 5: the README's profiles example, pasted during the tour (``loractld --model
+    demo``, the demo's two adapters pulled), names only what that daemon has: the base model by
+    its --model argument and the demo's adapters; its Modelfile parses."""
+    from loractld.models.demo import ADAPTERS
+    from loractld.store.modelfile import parse
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Profiles and merges"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```\n")]
+    modelfile = block[block.index("<<'MODELFILE'\n") + len("<<'MODELFILE'\n"):block.index("\nMODELFILE\n")]
+    m = parse(modelfile)
+    assert m.base == "demo" and {name for name, _ in m.adapters} <= set(ADAPTERS), m
+    merge = next(line for line in block.splitlines() if line.startswith("loractl merge "))
+    assert {term.partition("=")[0] for term in merge.split("#")[0].split()[3:]} <= set(ADAPTERS), merge
+
+
+def test_max_lora_ranks_default_is_the_same_in_help_and_man_page():
+    """Issue 60, item 10: the man page said 16 where --help says the installed adapters' largest."""
+    from loractld.main import build_parser
+
+    action = next(a for a in build_parser()._actions if "--max-lora-rank" in a.option_strings)
+    assert action.default is None and "largest" in action.help and "at least 16" in action.help
+    page = man_text("loractld.8")
+    entry = page[page.index('.BI --max-lora-rank " R"'):]
+    entry = entry[:entry.index(".TP")]
+    assert "(default: 16)" not in entry and "largest installed rank, at least 16" in " ".join(entry.split()), entry

@@ -92,6 +92,31 @@ def test_a_newer_format_is_refused_by_name_at_start_and_nothing_is_rewritten(sho
     assert_one_error(result, 3, "loractld exited", f"the {name} at", "is format 2")
 
 
+@pytest.mark.parametrize("what, value", [("store", "2"), ("pins", 1.5)])
+def test_a_format_that_is_no_number_is_refused_at_start_not_read_as_1(short_dir, what, value):
+    """Issue 60, item 24: ``{"format": "2"}`` (a string) was read as format 1 and the daemon
+    started. It is refused in one line that names the file and the value, and nothing changes."""
+    place_fixture(short_dir)
+    target = short_dir / ("adapters/.loractl-store.json" if what == "store" else "state/state.json")
+    target.write_text(json.dumps({**json.loads(target.read_text()), "format": value}))
+    before = tree(short_dir)
+    with open(short_dir / "d.log", "wb") as log:
+        daemon = subprocess.Popen([str(BIN / "loractld"), "--model", "tiny", "--home", str(short_dir)],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    assert daemon.wait(120) != 0
+    text = (short_dir / "d.log").read_text()
+    name = "adapter store" if what == "store" else "pins file"
+    said = json.dumps(value)
+    assert f"the {name} at" in text and f"says format {said}" in text and "no format number" in text, text
+    assert "Traceback" not in text, text
+    after = tree(short_dir)
+    for path, content in before.items():
+        assert after.get(path) == content, f"{path} changed"
+    assert not (short_dir / "tiny").exists(), "the daemon went on to build its model"
+    result = run_cli("status", "--home", str(short_dir))
+    assert_one_error(result, 3, "loractld exited", f"the {name} at", f"says format {said}")
+
+
 def test_registry_entries_carry_a_format_and_a_newer_one_is_skipped_not_deleted(tmp_path):
     disc = registry.ServiceRegistry(tmp_path)
     with disc.register_instance("loractl", "loractld", instance_id="one", metadata={}) as handle:
@@ -136,7 +161,9 @@ def test_profiles_written_by_0_1_0_are_served_and_a_newer_profile_is_skipped_and
     try:
         sock = ("--socket", str(daemon.socket))
         listed = {a["name"]: a for a in json.loads(run_cli("ls", "--json", *sock).stdout)}
-        assert {"sql-expert/v1", "poet/v1", "mix/v1", "blend-merged", "sql-assistant", "blend"} == set(listed)
+        # blend-merged is blend's own merge (issue 60): listed as what blend runs, not as an adapter.
+        assert {"sql-expert/v1", "poet/v1", "mix/v1", "sql-assistant", "blend"} == set(listed)
+        assert listed["blend"]["profile"]["adapter"] == "blend-merged"
         # The single-adapter profile answers as the plain request carrying what it adds.
         plain = _answer(daemon, "sql-expert/v1", [{"role": "system", "content": SQL_SYSTEM}, *SQL_SHOTS, *ASKED],
                         temperature=0.0, max_tokens=12, repetition_penalty=1.15, stop=[";"])

@@ -140,3 +140,82 @@ def test_the_cli_makes_relative_adapter_folders_absolute_against_the_modelfiles_
                     f"ADAPTER {tmp_path}/sub", "ADAPTER stored/v1", "ADAPTER org/repo", "ADAPTER /abs/folder",
                     f"ADAPTER {Path('~/mine').expanduser()}"]
     assert [a for a, _ in parse("\n".join(sent)).adapters][:2] == [f"{tmp_path}/sub", f"{tmp_path.parent}/x y"]
+
+
+# Issue 60, item 7: the weight's spelling.
+def test_adapter_weight_with_spaces_around_the_equals_sign():
+    assert parse("FROM demo\nADAPTER sql-expert/v1 = 0.7\n").adapters == [("sql-expert/v1", 0.7)]
+
+
+def test_adapter_weight_that_is_no_number_is_refused_by_name():
+    with pytest.raises(InvalidRequest) as e:
+        parse("FROM demo\nADAPTER sql-expert/v1=seven\n")
+    assert e.value.message == "Modelfile line 2: adapter weight 'seven' is not a number"
+    assert "ADAPTER sql-expert/v1=0.5" in e.value.hint
+    assert parse("FROM demo\nADAPTER /srv/a=b/x\n").adapters == [("/srv/a=b/x", 1.0)]   # '=' in a path
+
+
+def test_a_colon_weight_is_named_in_the_hint():
+    """``sql-expert/v1:0.7`` (Ollama's tag syntax) stays an adapter reference for the daemon to
+    look up, whose "neither" refusal says to write ``=`` (core/profile_sources.py); a merge's
+    name check says the same (loractl.names)."""
+    from loractl.names import colon_weight, validate_name
+
+    assert parse("FROM demo\nADAPTER sql-expert/v1:0.7\n").adapters == [("sql-expert/v1:0.7", 1.0)]
+    assert colon_weight("sql-expert/v1:0.7") == ("sql-expert/v1", "0.7") and colon_weight("org/r:main") is None
+    with pytest.raises(InvalidRequest) as e:
+        validate_name("sql-expert/v1:0.7")
+    assert e.value.message == "invalid adapter name 'sql-expert/v1:0.7'"
+    assert e.value.hint == "A weight is written with '=': sql-expert/v1=0.7."
+
+
+# Issue 60, item 22: what every request would refuse is refused at create, by its line.
+@pytest.mark.parametrize("line, words", [
+    ("PARAMETER temperature -3", "PARAMETER temperature -3 is out of range"),
+    ("PARAMETER top_p 7", "PARAMETER top_p 7 is out of range"),
+    ("PARAMETER top_k -100", "PARAMETER top_k -100 is out of range"),
+    ("PARAMETER seed 1e29", "PARAMETER seed takes a whole number, not '1e29'"),
+    ("PARAMETER seed 100000000000000000000000000000", "is out of range"),
+    ('PARAMETER stop ""', "PARAMETER stop is empty"),
+    ("PARAMETER num_predict 1000000000000", "PARAMETER num_predict 1000000000000 is out of range"),
+    ('TEMPLATE "{{ foo"', "TEMPLATE is not valid Jinja"),
+])
+def test_values_every_request_refuses_are_refused_at_create(line, words):
+    with pytest.raises(InvalidRequest) as e:
+        parse(f"FROM demo\n# a comment\n{line}\n")
+    assert e.value.message.startswith("Modelfile line 3: ") and words in e.value.message, e.value.message
+    assert e.value.hint
+
+
+def test_a_jinja_error_names_the_templates_own_line():
+    with pytest.raises(InvalidRequest) as e:
+        parse('FROM demo\nTEMPLATE """{{ messages[0].content }}\n\n{% endfor %}\n"""\n')
+    assert e.value.message.startswith("Modelfile line 4: TEMPLATE is not valid Jinja"), e.value.message
+    assert parse('FROM demo\nTEMPLATE "{% for m in messages %}{% break %}{% endfor %}"\n').template
+
+
+def test_values_at_the_edges_of_the_ranges_are_taken():
+    m = parse("FROM demo\nPARAMETER temperature 2\nPARAMETER top_p 1\nPARAMETER top_k -1\nPARAMETER seed -5\n"
+              "PARAMETER num_predict -2\nPARAMETER min_p 0\nPARAMETER presence_penalty -2\n")
+    assert m.parameters == {"temperature": 2.0, "top_p": 1.0, "top_k": -1, "seed": -5, "num_predict": -2,
+                            "min_p": 0.0, "presence_penalty": -2.0}
+
+
+def test_the_cli_leaves_text_inside_a_one_quote_string_that_spans_lines(tmp_path):
+    """Issue 60, item 23: only real ADAPTER and FROM lines are resolved; a multi-line "quoted"
+    SYSTEM (or MESSAGE, PARAMETER) is text, whatever its lines say."""
+    import asyncio
+
+    from loractl.cli.profiles import absolute_adapters
+
+    (tmp_path / "notes").mkdir()
+    text = ('FROM base\nSYSTEM "first\nADAPTER ./notes\nlast"\nMESSAGE user "one\nADAPTER ./notes\n"\n'
+            'ADAPTER ./notes = 0.5\n')
+
+    async def stored(name: str) -> bool:
+        return False
+    sent = asyncio.run(absolute_adapters(text, tmp_path, stored))
+    assert sent.splitlines() == ["FROM base", 'SYSTEM "first', "ADAPTER ./notes", 'last"', 'MESSAGE user "one',
+                                 "ADAPTER ./notes", '"', f"ADAPTER {tmp_path}/notes=0.5"]
+    m = parse(sent)
+    assert m.system == "first\nADAPTER ./notes\nlast" and m.adapters == [(f"{tmp_path}/notes", 0.5)]

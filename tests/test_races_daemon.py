@@ -56,7 +56,7 @@ def test_a_request_resolved_before_an_rm_or_a_new_revision_gets_its_answer(pause
         if change == "rm --force":
             assert run_cli("rm", name, "--force", "--socket", sock).returncode == 0
         else:
-            assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name,
+            assert run_cli("pull", str(demo / "adapters" / "translator" / "v1"), "--name", name, "--force",
                            "--socket", sock).returncode == 0
         assert folder.is_dir()                               # leased: kept
     finally:

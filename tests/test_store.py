@@ -70,8 +70,10 @@ def test_new_content_under_the_same_name_replaces_it(daemon, demo, tmp_path, ref
     assert cli(daemon, "pull", str(a), "--name", "swap/v1").returncode == 0
     first = json.loads(cli(daemon, "show", "swap/v1", "--json").stdout)
     out_a = cli(daemon, "run", "--lora", "swap/v1", "-t", "0", "-n", "12", "hello").stdout
-    # The same name now pulled from other content: a new revision, installed atomically.
-    assert cli(daemon, "pull", str(b), "--name", "swap/v1").returncode == 0
+    # The same name now pulled from another folder: refused unless forced (issue 60), then a new
+    # revision, installed atomically.
+    assert cli(daemon, "pull", str(b), "--name", "swap/v1").returncode == 2
+    assert cli(daemon, "pull", str(b), "--name", "swap/v1", "--force").returncode == 0
     second = json.loads(cli(daemon, "show", "swap/v1", "--json").stdout)
     assert second["revision"] != first["revision"] and not Path(first["path"]).exists()
     out_b = cli(daemon, "run", "--lora", "swap/v1", "-t", "0", "-n", "12", "hello").stdout

@@ -300,7 +300,7 @@ def test_a_new_revision_serves_new_requests_while_old_ones_finish(tiered, home, 
             warm = await one()  # fills the prefix cache under the old revision
             in_flight = asyncio.create_task(one())
             await asyncio.sleep(0.05)
-            async for _ in client.pull(str(new), name="moving/v1"):
+            async for _ in client.pull(str(new), name="moving/v1", force=True):   # another folder
                 pass
             after = await one()
             return warm, await in_flight, after

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 _log = logging.getLogger("loractld.events")
 
 KINDS = ("DOWNLOADED_TO_DISK", "DELETED_FROM_DISK", "LOADED_TO_HOST", "EVICTED_FROM_HOST", "LOADED_TO_DEVICE",
-         "UNLOADED_FROM_DEVICE", "PINNED", "UNPINNED", "FAILED", "WAITED_FOR_SLOT")
+         "UNLOADED_FROM_DEVICE", "PINNED", "UNPINNED", "FAILED", "WAITED_FOR_SLOT",
+         "ENGINE_FALLING_ASLEEP", "ENGINE_ASLEEP", "ENGINE_WAKING", "ENGINE_AWAKE")   # the engine's --keep-alive sleep (serving.keep_alive)
 # Events about requests, not about where adapters are: the registry entry need not be rewritten.
 REQUEST_KINDS = ("WAITED_FOR_SLOT",)
 
@@ -104,6 +105,15 @@ class Metrics:
         "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
         "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
         "loractl_engine_requests": ("gauge", "Requests the engine holds (waiting or running)."),
+        "loractl_engine_asleep": ("gauge", "1 while the engine sleeps after --keep-alive idle (its memory given "
+                                           "back), 0 while it is awake."),
+        "loractl_engine_sleeps_total": ("counter", "Times the engine fell asleep after --keep-alive idle."),
+        "loractl_engine_wakes_total": ("counter", "Times a request woke the sleeping engine."),
+        "loractl_engine_wake_failures_total": ("counter", "Wakes of the engine that failed (the engine stays asleep)."),
+        "loractl_engine_sleep_seconds": ("histogram", "Time the engine took to fall asleep."),
+        "loractl_engine_wake_seconds": ("histogram", "Time the engine took to wake for a request (the wait of the "
+                                                     "request that woke it), pins restored."),
+        "loractl_engine_last_wake_seconds": ("gauge", "How long the last wake of the engine took."),
         "loractl_admission_queue_depth": ("gauge", "Requests waiting at the admission gate for a device slot, "
                                                    "per adapter."),
         "loractl_admission_wait_seconds": ("histogram", "Time a request waited at the admission gate, per adapter."),

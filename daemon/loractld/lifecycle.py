@@ -30,7 +30,7 @@ from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate
 from loractld.serving.policies import make_policy
 from loractld.serving.prefetch import Prefetcher
 from loractld.api import grpc_deadlines
-from loractld.api.coalesce import CoalescingServer
+from loractld.api.coalesce import CoalescingServer, quiet_hang_ups
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES, LoractlService
 from loractld.api.http import settings as http_settings
 from loractld.api.http.settings import HttpSettings
@@ -50,6 +50,8 @@ from loractld.store.copies import SNAPSHOT_BUDGET
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
 from loractld.serving.pins import PersistentState
+from loractld.serving.keep_alive import KeepAlive, resolve_idle
+from loractld.serving.keep_alive import describe as describe_idle
 from loractld.serving.tiers import Tiers
 from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
 
@@ -77,6 +79,10 @@ class DaemonSettings:
     dynamo: DynamoSettings = field(default_factory=DynamoSettings)   # a Dynamo fleet's worker (off by default)
     auto_pull: bool = False     # a request's missing Hub reference is pulled first (loractld.core.ondemand)
     prefetch: bool = False      # waiting requests' adapters loaded to host RAM (loractld.serving.prefetch): off, measured
+    # --keep-alive: idle seconds before the engine sleeps (loractld.serving.keep_alive); None: the
+    # device's default (5 minutes on CUDA, never on the CPU), 0: never.
+    keep_alive_s: float | None = None
+    sleep_level: int = 1        # vLLM's sleep mode level on CUDA (1: weights to host RAM; 2: dropped)
 
 
 def resolve_model(model: str, home: str | None, report: Report | None = None) -> str:
@@ -151,7 +157,8 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
 
     def validate(folder: Path, force: bool):
         return validate_adapter(folder, max_lora_rank=limit.rank, base_shapes=base.shapes,
-                                model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes)
+                                model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes,
+                                base_experts=base.experts)
 
     preflight = Preflight()
     catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes),
@@ -262,6 +269,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     # LORACTL_GRPC_COALESCE=0: grpclib's own server, one write per frame (the benchmarks' control).
     server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
     grpc_deadlines.install()
+    quiet_hang_ups()   # a client that hangs up when it has its answer is no INFO line
     server = server_class([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
     if activated is not None:
         await server.start(sock=activated)
@@ -302,7 +310,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         core.startup.update("engine", "starting the engine (vLLM)", unit="s",
                             expected_s=last_engine_start(layout.state_dir, model))
         started = await Engine.start(EngineSettings(**{**settings.engine.__dict__, "model": model,
-                                                        "max_lora_rank": core.catalog.max_lora_rank}))
+                                                        "max_lora_rank": core.catalog.max_lora_rank,
+                                                        "sleep_mode": settings.keep_alive_s != 0}))
         await asyncio.to_thread(enginepid.record, layout.state_dir)
         core.catalog.preflight.attach(started)
         await asyncio.to_thread(refresh_shapes, core.catalog.base_model)  # a Hub model is on disk only now
@@ -331,12 +340,12 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             exit_code = 1
         else:
             assert core.catalog is not None
-            gate = Gate(settings.engine.max_loras, make_policy(settings.admission_policy,
+            gate = Gate(engine.settings.max_loras, make_policy(settings.admission_policy,
                                                                settings.admission_max_wait_s),
                         on_admit=core.admitted)
             tiers = Tiers(engine, core.catalog.resolver, open_state(layout.state_dir / "state.json", core.catalog.store),
-                          core.events, core.metrics, gate, max_loras=settings.engine.max_loras,
-                          max_cpu_loras=settings.engine.max_cpu_loras)
+                          core.events, core.metrics, gate, max_loras=engine.settings.max_loras,
+                          max_cpu_loras=engine.settings.max_cpu_loras)
             if settings.prefetch:
                 Prefetcher(tiers, gate)   # it watches the gate from now on
             await tiers.sync()
@@ -353,13 +362,18 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             await publisher.refresh()
             publisher.set_ready(True)
             publisher.start()
-            systemd.notify("READY=1", f"STATUS=ready: {core.model_label} on {engine.device}, "
-                                      f"{len(tiers.pinned_names())} pinned")
+            def ready_status() -> str:
+                return f"STATUS=ready: {core.model_label} on {engine.device}, {len(tiers.pinned_names())} pinned"
+
+            systemd.notify("READY=1", ready_status())
             watchdog = asyncio.create_task(_watchdog(systemd, core, stop))
+            core.keep_alive = start_keep_alive(settings, core, engine, tiers, systemd, ready_status)
             _log.info("ready: model %s (%s) on %s (engine start %.1f s)", core.model_label, engine.settings.model,
                       engine.device, engine.start_seconds)
             await stop.wait()
         _log.info("shutting down")
+        if core.keep_alive is not None:
+            core.keep_alive.stop()   # no sleep now: the engine stops below
         systemd.notify("STOPPING=1", "STATUS=stopping")
         publisher.set_ready(False)
         if dynamo is not None:
@@ -393,6 +407,26 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             sock_path.unlink(missing_ok=True)  # an activated socket belongs to systemd
         _log.info("stopped")
     return exit_code
+
+
+def start_keep_alive(settings: DaemonSettings, core: Core, engine: Engine, tiers: Tiers, systemd: SystemdEnv,
+                     ready_status) -> KeepAlive | None:
+    """The engine's sleep after ``--keep-alive`` idle (loractld.serving.keep_alive), its idle
+    clock started now; None where it is off (the default on the CPU)."""
+    idle = resolve_idle(settings.keep_alive_s, engine.device)
+    if idle is None:
+        _log.info("keep-alive: off, the engine stays up%s", "" if settings.keep_alive_s == 0 else
+                  " (the default on the CPU, where a sleep is a full stop; --keep-alive 5m turns it on)")
+        return None
+    how = f"vLLM's sleep mode, level {settings.sleep_level}" if engine.has_sleep_mode else "a full stop of the engine"
+    _log.info("keep-alive: after %s with no request the engine sleeps (%s); the next request wakes it",
+              describe_idle(idle), how)
+    catalog = core.catalog
+    keeper = KeepAlive(engine, tiers, core.events, core.metrics, idle_s=idle, level=settings.sleep_level,
+                       busy=lambda: "a preflight" if catalog is not None and catalog.preflight.running else "",
+                       notify=systemd.notify, awake_status=ready_status)
+    keeper.start()
+    return keeper
 
 
 START_EXTENSION_S = 300  # what each sign of progress adds to systemd's start timeout

@@ -15,10 +15,11 @@ from loractl.errors import InvalidRequest, LoractlError
 from loractld import config
 from loractld.trust import audit
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, POLICIES
+from loractld.serving import keep_alive
 from loractld.api.grpc_service import DEFAULT_MAX_MESSAGE_BYTES
 from loractld.api.http import settings as http_settings
 from loractld.api import dynamo as dynamo_settings
-from loractld.engine import openai_serving
+from loractld.engine import engine_flags, openai_serving
 from loractld.engine.client import EngineSettings
 from loractld.engine.device import keep_cuda_uninitialized
 from loractld.worker.media_packages import hide_media_packages
@@ -37,6 +38,13 @@ examples:
 
 settings come from flag > environment (LORACTLD_<FLAG>, e.g. LORACTLD_MAX_LORAS=8) > config
 file (TOML, keys named like the flags: max-loras = 8, preload = ["sql-expert/v1"]) > default.
+
+vLLM's engine flags: every `vllm serve` engine flag is taken as vLLM names it, as a flag, a
+config key or a LORACTLD_ variable, and passed to the engine (loractl status shows what is in
+effect), e.g. --gpu-memory-utilization 0.5, --tensor-parallel-size 2, --quantization awq,
+--kv-cache-dtype fp8, --max-num-batched-tokens 4096. vLLM's help for them:
+  loractld --help=engine        vLLM's groups of engine flags
+  loractld --help=CacheConfig   one group;  --help=all every flag;  --help=memory flags matching 'memory'
 """
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "served over gRPC on a Unix socket.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,   # a prefix of one of loractld's flags may be a vLLM flag of its own
     )
     p.add_argument("--config", metavar="FILE",
                    help="TOML file with any of these settings (default: loractld.toml in the user config dir)")
@@ -88,9 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the engine runs: cuda when a GPU is present under auto (default: auto)")
     p.add_argument("--dtype", default="auto", help="model dtype (default on CPU: float32, bfloat16 if float32 weights would take over half the "
                         "free RAM; on CUDA vLLM's choice)")
-    p.add_argument("--max-loras", type=positive_int, default=2, help="adapter slots on the device (default: 2)")
-    p.add_argument("--max-cpu-loras", type=positive_int, default=4,
-                   help="adapters cached in host RAM (default: 4; at least --max-loras)")
+    p.add_argument("--max-loras", type=positive_int, default=None,
+                   help="adapter slots on the device (default on CPU: 2; on CUDA from the free GPU memory and the "
+                        "adapters' rank, 2 to 8)")
+    p.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                   help="adapters cached in host RAM (default on CPU: 4; on CUDA from the free host RAM and the "
+                        "adapters' rank, up to 64; at least --max-loras)")
     p.add_argument("--max-lora-rank", type=positive_int, default=None,
                    help="largest adapter rank; every slot is padded to it (default: the installed adapters' largest, "
                         "at least 16)")
@@ -128,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: off, as it did not pay on CPU (docs/benchmarks.md, 'Prefetch at the gate')")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running generations get to finish on SIGTERM (default: 10)")
+    p.add_argument("--keep-alive", type=keep_alive.duration_arg, default=None, metavar="DURATION",
+                   help="after this long with no request the engine sleeps, giving its memory back (CUDA: vLLM's "
+                        "sleep mode; CPU: the engine stops); the next request wakes it. 5m, 300s, 1h; 0 or forever: "
+                        "never (default: 5m on CUDA, forever on the CPU)")
+    p.add_argument("--sleep-level", choices=("1", "2"), default="1",
+                   help="vLLM's sleep mode level for --keep-alive on CUDA: 1 keeps the weights in host RAM (faster "
+                        "wake), 2 drops them too and reloads them from disk at wake (default: 1)")
     p.add_argument("--socket-group", metavar="GROUP",
                    help="make the socket 0660 and owned by GROUP (the system unit uses 'loractl'); default: 0600")
     p.add_argument("--max-message-size", type=parse_size, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="SIZE",
@@ -151,7 +170,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         raise InvalidRequest("no base model given", "Pass --model PATH_OR_REPO (or 'demo'), or set model in the config file.")
     if not args.admission_max_wait >= 0:
         raise InvalidRequest(f"--admission-max-wait must be 0 or more seconds, got {args.admission_max_wait}")
-    if args.max_cpu_loras < args.max_loras:
+    if args.max_cpu_loras is not None and args.max_loras is not None and args.max_cpu_loras < args.max_loras:
         raise InvalidRequest(
             f"--max-cpu-loras ({args.max_cpu_loras}) is below --max-loras ({args.max_loras})",
             f"Every adapter on the device is also cached on the host: use --max-cpu-loras {args.max_loras} or more.",
@@ -162,7 +181,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
         max_num_seqs=args.max_num_seqs, kv_cache_bytes=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, cpu_fixes=not args.no_cpu_fixes,
         chat_template=_read_template(args.chat_template) if args.chat_template else None,
-        openai=openai_serving.options_from(args),
+        openai=openai_serving.options_from(args), engine_args=dict(getattr(args, "engine_args", None) or {}),
     )
     return DaemonSettings(engine=engine, home=args.home, socket=args.socket, shutdown_grace_s=args.shutdown_grace,
                           max_adapter_bytes=args.max_adapter_size, snapshot_budget=args.snapshot_budget, preload=tuple(args.preload or ()),
@@ -170,7 +189,7 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           http=http_settings.settings_from(args), admission_policy=args.admission,
                           admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size,
                           dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull,
-                          prefetch=args.prefetch)
+                          prefetch=args.prefetch, keep_alive_s=args.keep_alive, sleep_level=int(args.sleep_level))
 
 
 def _read_template(path: str) -> str:
@@ -182,6 +201,27 @@ def _read_template(path: str) -> str:
     if not text.strip():
         raise InvalidRequest(f"the chat template {path} is empty", "Give --chat-template a Jinja template file.")
     return text
+
+
+def _quiet_vllm_import() -> None:
+    """vLLM's logging level, read when vllm is imported (for its flags, before the settings are
+    resolved): its start-up warnings are nothing a loractl user can act on (see main)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def _passthrough(leftover: list[str], from_file: dict, from_env: dict, file_name: str) -> dict:
+    """vLLM's engine flags among what loractld's parser left (``engine_flags``)."""
+    if leftover or from_file or from_env:
+        hide_media_packages(children=True)  # before vLLM's import, as for the engine (worker/media_packages.py)
+        _quiet_vllm_import()
+    own = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")]
+    return engine_flags.parse_leftovers(leftover, from_file, from_env, own_options=own, file_name=file_name)
+
+
+def _vllm_help(keyword: str) -> None:
+    hide_media_packages(children=True)
+    _quiet_vllm_import()
+    engine_flags.print_help(keyword)
 
 
 def _run(coro):
@@ -196,8 +236,13 @@ def _run(coro):
 
 def main(argv: list[str] | None = None) -> None:
     keep_cuda_uninitialized()  # first: nothing before vLLM's fork may initialize CUDA (engine/device.py)
+    argv = engine_flags.normalize_argv(sys.argv[1:] if argv is None else argv)
     try:
-        args = config.resolve(build_parser, argv)
+        wanted_help = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
+        if wanted_help is not None:
+            _vllm_help(wanted_help)
+            sys.exit(0)
+        args = config.resolve(build_parser, argv, _passthrough)
     except LoractlError as e:
         print(f"loractld: error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -145,6 +145,16 @@ class EngineConfigView:
     max_num_seqs: int = 0
     model_name: str = ""        # what users know it by: the Hub id, a GGUF's Hub id or file (models/naming.py)
     model_arg: str = ""         # --model as given: demo, a .gguf file, a folder, a Hub id
+    engine_args_json: str = ""  # the engine settings in effect, a JSON object under vLLM's names
+    choices: list = field(default_factory=list)   # EngineChoiceView: what loractld chose for the device
+    quantization: str = ""      # the base model's quantization as vLLM loaded it ("" for none)
+
+
+@dataclass
+class EngineChoiceView:
+    name: str = ""              # vLLM's field name
+    value: str = ""
+    why: str = ""
 
 
 @dataclass
@@ -225,6 +235,7 @@ class StatusView:
     http: str = ""              # the HTTP API's base URL, when it is on
     admission: AdmissionView = field(default_factory=AdmissionView)
     startup: StartupView = field(default_factory=StartupView)
+    state: str = ""             # starting, ready, asleep (--keep-alive), waking, stopping
 
 
 @dataclass

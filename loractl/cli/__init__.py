@@ -78,6 +78,25 @@ def _pipe_width() -> int:
     return width or 80
 
 
+# The width of command output that goes to a pipe or a file: lines are not folded there (a
+# revision hash, an events line or a path split across lines breaks grep, cut and copying).
+UNWRAPPED = 1 << 16
+
+
+def _output_width() -> int | None:
+    """The width a command lays its output out at: $COLUMNS when set; else, with stdout not a
+    terminal, :data:`UNWRAPPED`; else None (rich's own: the terminal's). Help pages keep
+    :func:`_pipe_width` (Typer renders them at 80 columns in a pipe)."""
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        return int(columns)
+    out = sys.stdout
+    try:
+        return None if out is None or out.isatty() else UNWRAPPED
+    except (AttributeError, ValueError):
+        return None
+
+
 def _fast_help(argv: list[str], prog: str) -> bool:
     """``loractl --help``, ``-h`` and bare ``loractl`` print the page scripts/gen_help.py
     rendered through Typer (whose import and rich rendering were ~85% of the run), when this
@@ -102,9 +121,19 @@ def _fast_help(argv: list[str], prog: str) -> bool:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if _fast_help(argv, os.path.basename(sys.argv[0])) or _fast_read(argv):
-        return
-    from loractl.cli.app import app
+    try:
+        argv = sys.argv[1:]
+        if _fast_help(argv, os.path.basename(sys.argv[0])) or _fast_read(argv):
+            return
+        from loractl.cli.app import app  # Typer, rich and the commands: the first half second
 
-    app()
+        app()
+    except KeyboardInterrupt:
+        # Ctrl-C before a command's own handler (loractl.cli._output.cli_errors) runs: during the
+        # imports or Typer's parsing. One line and 130, as a command interrupted later exits.
+        try:
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        raise SystemExit(130) from None

@@ -40,7 +40,12 @@ def __getattr__(name: str) -> Console:
         # error text that users and remote sources wrote ('[/subfolder]' ended in a MarkupError);
         # colour comes from Text styles, or from markup=True over escape()d values (styled()).
         if name == "stdout":
-            _consoles[name] = Console(highlight=False, markup=False, emoji=False)  # tables fit the terminal
+            from loractl.cli import _output_width
+
+            # Tables fit the terminal; into a pipe or a file nothing is folded (unless $COLUMNS says).
+            width = _output_width()
+            _consoles[name] = Console(highlight=False, markup=False, emoji=False, width=width,
+                                      soft_wrap=width is not None and "COLUMNS" not in os.environ)
         else:
             _consoles[name] = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
     return _consoles[name]

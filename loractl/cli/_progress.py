@@ -93,3 +93,39 @@ class StartupNotice:
             self._shown = False
             if self in _live:
                 _live.remove(self)
+
+
+ASLEEP_STATES = ("asleep", "waking")
+
+
+async def woken(status: dict[str, Any] | None, chunks, stream: TextIO | None = None):
+    """``chunks`` (a generation's stream), with a notice until its first chunk while the daemon's
+    engine sleeps (``loractld --keep-alive``): the request wakes it and waits, for seconds (a full
+    engine start on the CPU), which should not read as a hang. ``status``: the daemon's, just read."""
+    if not status or status.get("state") not in ASLEEP_STATES:
+        async for chunk in chunks:
+            yield chunk
+        return
+    import asyncio
+    import time
+
+    notice = StartupNotice("waking the engine (asleep after --keep-alive idle)", stream=stream)
+    began = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            notice(time.monotonic() - began, None)
+            await asyncio.sleep(0.5)
+
+    ticker: asyncio.Task | None = asyncio.ensure_future(tick())
+    try:
+        async for chunk in chunks:
+            if ticker is not None:
+                ticker.cancel()
+                ticker = None
+                notice._end()
+            yield chunk
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+        notice._end()

@@ -28,12 +28,16 @@ def _status(socket: str | None, home: str | None) -> dict[str, Any]:
 def status_report(socket: str | None, home: str | None, json_output: bool, info: dict[str, Any] | None = None) -> None:
     """``loractl status``: ``info`` when the caller has it (``--wait``), else asked now."""
     info = info if info is not None else _status(socket, home)
+    engine = info["engine"]
+    # The engine settings in effect as an object under vLLM's own names (the wire has its text).
+    engine["engine_args"] = _engine_args(engine.pop("engine_args_json", ""))
     if json_output:
         print_json(info)
         return
-    engine = info["engine"]
     table = Pairs()
-    table.add_row("state", "ready" if info["ready"] else "starting")
+    # asleep: the engine gave its memory back after --keep-alive idle; the next request wakes it.
+    state = info.get("state") or ("ready" if info["ready"] else "starting")
+    table.add_row("state", state + (" (the next request wakes the engine)" if state == "asleep" else ""))
     name, asked = engine.get("model_name") or engine["model"], engine.get("model_arg") or ""
     table.add_row("model", (name or "-") + (f" (--model {asked})" if asked and asked != name else ""))
     if engine["model"] and engine["model"] != name:
@@ -50,6 +54,13 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     kv = int(engine.get("kv_cache_bytes") or 0)
     table.add_row("kv cache", (human_bytes(kv) if kv else "sized by vLLM")
                   + f", up to {engine.get('max_num_seqs') or '-'} sequences a step")
+    settled = engine["engine_args"]
+    shown = [f"{k}={settled[k]}" for k in ENGINE_SHOWN if settled.get(k) not in (None, "")
+             and not (k == "gpu_memory_utilization" and engine["device"] == "cpu")]   # no share of a CPU
+    if shown:   # every setting in effect: loractl status --json | jq .engine.engine_args
+        table.add_row("engine", ", ".join(shown))
+    for choice in engine.get("choices") or []:
+        table.add_row("chosen", f"{choice['name']} = {choice['value']}: {choice['why']}")
     table.add_row("in flight", str(info["requests_in_flight"]))
     gate = info.get("admission") or {}
     if gate.get("policy"):
@@ -65,8 +76,23 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     table.add_row("socket", info["socket"])
     if info.get("http"):
         table.add_row("http", f"{info['http']}/v1 (OpenAI-compatible)")
-    table.print(colours={"ready": "green", "starting": "yellow"})
+    table.print(colours={"ready": "green", "starting": "yellow", "waking": "yellow", "asleep": "cyan"})
 
+
+
+# The engine settings a status line shows (vLLM's names); --json has every one in effect.
+ENGINE_SHOWN = ("gpu_memory_utilization", "tensor_parallel_size", "pipeline_parallel_size", "quantization",
+                "kv_cache_dtype", "max_num_batched_tokens")
+
+
+def _engine_args(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def requests_report(socket: str | None, home: str | None, json_output: bool) -> None:

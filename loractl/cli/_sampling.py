@@ -23,6 +23,13 @@ from loractl.errors import InvalidRequest
 # --param temperature=0) — a value sent always would override the profile's.
 TemperatureOpt = Annotated[float | None, typer.Option(
     "--temperature", "-t", min=0.0, help="Sampling temperature; 0 is greedy (default: 0.8, or the profile's).")]
+TopPOpt = Annotated[float | None, typer.Option(
+    "--top-p", min=0.0, max=1.0,
+    help="Sample from the most likely tokens that together reach this probability (above 0, at most 1).")]
+TopKOpt = Annotated[int | None, typer.Option(
+    "--top-k", min=-1, help="Sample from this many most likely tokens; 0 or -1 is all of them.")]
+StopOpt = Annotated[list[str] | None, typer.Option(
+    "--stop", metavar="TEXT", help="End the answer before TEXT (not printed); repeatable, e.g. --stop ';'.")]
 MinPOpt = Annotated[float | None, typer.Option(
     "--min-p", min=0.0, max=1.0, help="Drop tokens less likely than this fraction of the most likely one (0 to 1).")]
 PresencePenaltyOpt = Annotated[float | None, typer.Option(
@@ -55,11 +62,18 @@ LogprobsOpt = Annotated[int | None, typer.Option(
 def sampling_kwargs(min_p: float | None = None, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                     logit_bias: list[str] | None = None, stop_token_ids: str | None = None,
-                    ignore_eos: bool = False) -> dict[str, Any]:
-    """The options as :meth:`Client.generate` takes them; only those given."""
+                    ignore_eos: bool = False, *, top_p: float | None = None, top_k: int | None = None,
+                    stop: list[str] | None = None) -> dict[str, Any]:
+    """The options as :meth:`Client.generate` takes them; only those given (an unset one leaves
+    the daemon's default, or a profile's, in force)."""
     kwargs: dict[str, Any] = {name: value for name, value in (
         ("min_p", min_p), ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-        ("repetition_penalty", repetition_penalty)) if value is not None}
+        ("repetition_penalty", repetition_penalty), ("top_p", top_p), ("top_k", top_k)) if value is not None}
+    if stop:
+        if not all(stop):
+            raise InvalidRequest("--stop '' is empty: it would end every answer at once",
+                                 "Give the text that ends an answer, e.g. --stop ';'.")
+        kwargs["stop"] = list(stop)
     if logit_bias:
         kwargs["logit_bias"] = dict(_bias(item) for item in logit_bias)
     if stop_token_ids:

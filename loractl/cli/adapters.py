@@ -24,7 +24,8 @@ def pull(
     ref: Annotated[str, typer.Argument(help="org/repo, hf://org/repo\\[@rev]\\[/subfolder], or a local folder.")],
     name: Annotated[str | None, typer.Option("--name", help="Store name (default: derived from REF).")] = None,
     revision: Annotated[str | None, typer.Option("--revision", "-r", help="Branch, tag or commit (Hub).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Install even if it names another base model.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Install even if it names another base model, or replace "
+                                        "an adapter of this name from another source.")] = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
     json_output: JsonOpt = False,
@@ -32,7 +33,8 @@ def pull(
     """Download an adapter into the store, verify it and install it atomically.
 
     Honours HF_ENDPOINT and HF_TOKEN. Pulling a name again at the same revision is a no-op;
-    a new revision replaces the old one atomically.
+    a new revision replaces the old one atomically. A name holding an adapter from another
+    source is refused unless --force, a profile's always.
 
     Examples:
 

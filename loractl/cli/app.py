@@ -45,9 +45,35 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+@app.command("version")
+def version() -> None:
+    """Show loractl's version (as --version and -V do).
+
+    Examples:
+
+        loractl version
+    """
+    print(f"loractl {__version__}")
+
+
+@app.command("help")
+def help_(command: list[str] = typer.Argument(None, help="The command, e.g. pull, or registry ls.",
+                                              show_default=False)) -> None:
+    """Show the help of loractl or of a command (as --help does).
+
+    Examples:
+
+        loractl help
+
+        loractl help pull
+    """
+    app(args=[*(command or []), "--help"], prog_name="loractl")
+
+
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                 help="Show the version."),
     instance: str = typer.Option(None, "--instance", envvar="LORACTL_INSTANCE", show_envvar=True,
                                  help="Which daemon, when several run (see loractl instances)."),
 ) -> None:

@@ -97,6 +97,9 @@ def chat(
         "--max-tokens", "-n", min=1, help="Most tokens per reply (default: 512, fewer where the context ends first).",
     )] = None,
     temperature: opts.TemperatureOpt = None,
+    top_p: opts.TopPOpt = None,
+    top_k: opts.TopKOpt = None,
+    stop: opts.StopOpt = None,
     min_p: opts.MinPOpt = None,
     presence_penalty: opts.PresencePenaltyOpt = None,
     frequency_penalty: opts.FrequencyPenaltyOpt = None,
@@ -110,14 +113,16 @@ def chat(
     """Chat with the base model or an adapter; switch adapters mid-conversation with /lora.
 
     In a terminal: line editing and history, /help lists the in-chat commands, Ctrl-C stops
-    the current reply. With stdin not a terminal, reads one message from stdin and prints
-    only the reply, so it scripts well.
+    the current reply. With stdin not a terminal, reads stdin and prints only the replies, so
+    it scripts well: its lines up to a command (/lora NAME, /reset, /exit) are one message.
 
     Examples:
 
         loractl chat --lora sql-expert/v1
 
         echo "Write a query that counts users" | loractl chat --lora sql-expert/v1
+
+        printf '/lora pirate/v1\nTell me about your ship\n' | loractl chat
 
         loractl chat --repetition-penalty 1.2 --min-p 0.05
     """
@@ -127,7 +132,8 @@ def chat(
     with asyncio.Runner() as runner, cli_errors():
         sampling = dict(max_tokens=max_tokens, temperature=temperature,
                         **opts.sampling_kwargs(min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                                               logit_bias, stop_token_ids, ignore_eos))
+                                               logit_bias, stop_token_ids, ignore_eos,
+                                               top_p=top_p, top_k=top_k, stop=stop))
         client = Client(socket, home=home, prefer_adapter=lora)
         try:
             # Fails fast, with the usual hint, when no daemon is up; says so while an engine starts.
@@ -135,15 +141,60 @@ def chat(
             if lora:  # a misspelt name is refused before the prompt opens, with the names meant
                 runner.run(check_adapter(client, lora))
             if not sys.stdin.isatty():
-                text = sys.stdin.read().strip()
-                if not text:
-                    raise LoractlError("nothing to say: stdin was empty", "Pipe a message into loractl chat.")
-                runner.run(_reply(client, convo, text, sampling, echo=True))
-                sys.stdout.write("\n")
+                _piped(runner, client, convo, sys.stdin.read(), sampling)
                 return
             _interactive(runner, client, convo, sampling, home)
         finally:
             client.close()
+
+
+# The in-chat commands a line of piped input may be; any other line is a message's text.
+COMMANDS = ("/lora", "/reset", "/help", "/exit", "/quit", "/bye")
+
+
+def piped_steps(text: str) -> list[tuple[str, str]]:
+    """Piped input as steps: each line that is an in-chat command (``/lora NAME``, ``/reset``,
+    ...) is one ``("command", line)``; the lines between commands are one ``("say", message)``
+    (so a piped text of several lines is one message, as before commands were read)."""
+    steps: list[tuple[str, str]] = []
+    lines: list[str] = []
+
+    def said() -> None:
+        message = "\n".join(lines).strip()
+        if message:
+            steps.append(("say", message))
+        lines.clear()
+    for line in text.splitlines():
+        if line.strip().partition(" ")[0] in COMMANDS:
+            said()
+            steps.append(("command", line.strip()))
+        else:
+            lines.append(line)
+    said()
+    return steps
+
+
+def _piped(runner: asyncio.Runner, client: Client, convo: Conversation, text: str, sampling: dict) -> None:
+    """Chat with stdin not a terminal: each reply on stdout, the commands applied as typed ones are
+    (quietly: only replies are printed), a refused ``/lora`` the command's error and exit code.
+    Empty input says nothing and succeeds."""
+    for kind, value in piped_steps(text):
+        if kind == "say":
+            runner.run(_reply(client, convo, value, sampling, echo=True))
+            sys.stdout.write("\n")
+            continue
+        command, _, arg = value.partition(" ")
+        if command in ("/exit", "/quit", "/bye"):
+            return
+        if command == "/help":
+            stderr.print(HELP)
+        elif command == "/reset":
+            convo.turns.clear()
+        else:   # /lora
+            wanted = arg.strip() or None
+            if wanted is not None:
+                runner.run(check_adapter(client, wanted))
+            convo.lora = wanted
 
 
 async def check_adapter(client: Client, name: str) -> None:

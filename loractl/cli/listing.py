@@ -112,12 +112,12 @@ def _quick_json(socket: str | None, home: str | None) -> str | None:
 def _plain_width() -> int | None:
     """The width rich would print at, when it would print plain text (no colour, no terminal
     quirks); else None and rich does the printing."""
-    from loractl.cli import HELP_ENV, _pipe_width
+    from loractl.cli import HELP_ENV, _output_width
 
     out = sys.stdout
     if sys.platform == "win32" or out is None or out.isatty() or HELP_ENV.intersection(os.environ):
         return None
-    return _pipe_width()
+    return _output_width()
 
 
 def plain_table(rows: list[tuple[str, ...]], states: list[str], min_widths: tuple[int, ...],

@@ -33,6 +33,7 @@ def merge(
                                                  "(weight 1 when left out).", autocompletion=adapter_names)],
     svd_rank: Annotated[int | None, typer.Option("--svd-rank", min=1, help="Approximate: truncate the summed delta "
                                                  "to this rank (PEFT's svd); show reports the error.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an adapter of this name made otherwise.")] = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
     json_output: JsonOpt = False,
@@ -42,7 +43,9 @@ def merge(
     Exact: the ranks are concatenated (PEFT's add_weighted_adapter, "cat"), so the new rank is
     their sum, which must fit the daemon's --max-lora-rank. Other base models, DoRA, trained
     biases and the like are refused by name. The same sources and weights give the same
-    content; show lists the sources, their digests and weights.
+    content; show lists the sources, their digests and weights. A name that holds another
+    adapter is refused unless --force (a merge of the same sources and weights updates it), a
+    profile's always.
 
     Examples:
 
@@ -53,7 +56,7 @@ def merge(
         loractl merge small/v1 a/v1 b/v1 --svd-rank 8
     """
     pairs = [weighted(term) for term in sources]
-    reply = with_client(socket, home, lambda client: client.merge(name, pairs, svd_rank=svd_rank))
+    reply = with_client(socket, home, lambda client: client.merge(name, pairs, svd_rank=svd_rank, force=force))
     if json_output:
         print_json(reply)
         return

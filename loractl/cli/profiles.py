@@ -40,6 +40,8 @@ def create(
     template: Annotated[str | None, typer.Option("--template", help="TEMPLATE: a file with a Jinja chat template.")] = None,
     param: Annotated[list[str] | None, typer.Option("--param", help="PARAMETER NAME=VALUE (Ollama's names; "
                                                     "stop repeats), e.g. temperature=0.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace a profile of this name made from another "
+                                        "Modelfile.")] = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
     json_output: JsonOpt = False,
@@ -50,6 +52,8 @@ def create(
     (a Modelfile in Ollama's syntax). Every door serves it by name.
 
     Flags override the Modelfile's lines; a request's own values override the profile's.
+    A profile of that name is updated by the same Modelfile, replaced by another only with
+    --force; an adapter's name is refused (adapters and profiles share one name space).
 
     Examples:
 
@@ -94,7 +98,7 @@ def create(
         sent = await absolute_adapters(text, modelfile_dir, stored)
         flags = [await _absolute(a, Path.cwd(), stored) for a in adapter or []]
         return await client.create(name, sent, base=base or "", adapters=flags, system=system,
-                                   template=template_text, parameters=params)
+                                   template=template_text, parameters=params, force=force)
     reply = with_client(socket, home, body)
     if json_output:
         print_json(reply)
@@ -108,18 +112,44 @@ _ADAPTER_LINE = re.compile(r"^(\s*adapter\s+)(.*?)(\s*)$", re.IGNORECASE)
 
 
 async def absolute_adapters(text: str, base: Path, stored: Callable[[str], Awaitable[bool]]) -> str:
-    """``text`` with each ADAPTER line's relative folder made absolute against ``base`` (lines
-    inside a \"\"\" string are text, not instructions; every line keeps its number)."""
-    out, in_text = [], False
-    for line in text.splitlines(keepends=True):
-        body = line.rstrip("\r\n")
-        match = None if in_text else _ADAPTER_LINE.match(body)
-        if match:
+    """``text`` with each ADAPTER line's relative folder made absolute against ``base``. Only a
+    line that starts a statement is an instruction: the lines of a quoted argument that spans
+    lines (triple or one quote) are text, read as the daemon's parser reads them
+    (``loractld/store/modelfile.py``: ``_statements``); every line keeps its number."""
+    out: list[str] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        raw = lines[i]
+        body = raw.rstrip("\r\n")
+        i += 1
+        stripped = body.strip()
+        if not stripped or stripped.startswith("#"):
+            out.append(raw)
+            continue
+        instruction, rest = (re.split(r"\s+", stripped, maxsplit=1) + [""])[:2]
+        after_word = instruction.upper() in ("PARAMETER", "MESSAGE")
+        match = _ADAPTER_LINE.match(body)
+        if match and not _open_quote(rest, after_word):
             body = match[1] + await _absolute(match[2], base, stored) + match[3]
-        if body.count('"""') % 2:
-            in_text = not in_text
-        out.append(body + line[len(line.rstrip("\r\n")):])
+        out.append(body + raw[len(raw.rstrip("\r\n")):])
+        while _open_quote(rest, after_word) and i < len(lines):   # the statement's quoted text runs on
+            rest += "\n" + lines[i].rstrip("\r\n")
+            out.append(lines[i])
+            i += 1
     return "".join(out)
+
+
+def _open_quote(rest: str, after_word: bool) -> bool:
+    """Whether a statement's quoted argument is still open at the end of ``rest`` (the daemon's rule)."""
+    text = rest.strip()
+    if after_word:   # PARAMETER and MESSAGE quote after a word
+        text = (re.split(r"\s+", text, maxsplit=1) + [""])[1]
+    if text.startswith('"""'):
+        return len(text) < 6 or not text.rstrip().endswith('"""')
+    if text.startswith('"'):
+        return not re.search(r'(?<!\\)(?:\\\\)*"\s*$', text[1:])
+    return False
 
 
 async def _absolute(argument: str, base: Path, stored: Callable[[str], Awaitable[bool]]) -> str:
@@ -132,6 +162,7 @@ async def _absolute(argument: str, base: Path, stored: Callable[[str], Awaitable
     path, sep, weight = value.rpartition("=")
     if not sep or not _is_number(weight):
         path, sep, weight = value, "", ""
+    path, weight = path.strip(), weight.strip()   # ADAPTER ./x = 0.5: spaces around '=' are allowed
     # Joined and cleaned as Ollama's filepath.Join(dir of the Modelfile, path) does.
     if path.startswith(("./", "../")) or path in (".", ".."):
         folder = local_folder(os.path.normpath(os.path.join(base, path)))
@@ -155,11 +186,14 @@ def _is_number(text: str) -> bool:
 def cp(
     source: Annotated[str, typer.Argument(help="A profile or an adapter.", autocompletion=adapter_names)],
     destination: Annotated[str, typer.Argument(help="The new name.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace what the new name holds (of the same kind).")] = False,
     socket: SocketOpt = None,
     home: HomeOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Copy a profile or an adapter to a new name; either can then be removed alone.
+
+    A taken name is refused unless --force (a profile replaces a profile, an adapter an adapter).
 
     Examples:
 
@@ -167,7 +201,7 @@ def cp(
 
         loractl cp sql-expert/v1 sql-expert/stable
     """
-    reply = with_client(socket, home, lambda client: client.copy(source, destination))
+    reply = with_client(socket, home, lambda client: client.copy(source, destination, force=force))
     if json_output:
         print_json(reply)
     else:

@@ -35,6 +35,9 @@ def run(
         "--max-tokens", "-n", min=1, help="Most tokens to generate (default: 512, fewer where the context ends first).",
     )] = None,
     temperature: opts.TemperatureOpt = None,
+    top_p: opts.TopPOpt = None,
+    top_k: opts.TopKOpt = None,
+    stop: opts.StopOpt = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Sampling seed, for repeatable samples.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     json_schema: opts.JsonSchemaOpt = None,
@@ -84,7 +87,8 @@ def run(
         kwargs = dict(lora=lora, max_tokens=max_tokens, temperature=temperature, seed=seed, logprobs=logprobs,
                       **opts.structured_kwargs(json_schema, json_object, regex, choice, grammar),
                       **opts.sampling_kwargs(min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                                             logit_bias, stop_token_ids, ignore_eos))
+                                             logit_bias, stop_token_ids, ignore_eos,
+                                             top_p=top_p, top_k=top_k, stop=stop))
     if prompt == "-":
         prompt = sys.stdin.read()
 
@@ -92,9 +96,12 @@ def run(
         # With several daemons, the one holding this adapter (chosen at the first call).
         client.prefer_adapter = lora
         # A daemon still starting its engine would hold the request silently for as long.
-        await client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice())
+        info = await client.wait_ready(ENGINE_START_TIMEOUT_S, on_wait=waiting_notice())
         chunks = (client.generate(prompt, **kwargs) if raw
                   else client.generate(messages=[{"role": "user", "content": prompt}], **kwargs))
+        from loractl.cli._progress import woken
+
+        chunks = woken(info, chunks)   # a notice while the request wakes a sleeping engine (--keep-alive)
         if json_output:
             print_json(await answer(chunks, with_logprobs=logprobs is not None))
             return

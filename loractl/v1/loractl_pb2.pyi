@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs", "model_name", "model_arg")
+    __slots__ = ("model", "device", "dtype", "max_loras", "max_cpu_loras", "max_lora_rank", "max_model_len", "vllm_version", "kv_cache_bytes", "max_num_seqs", "model_name", "model_arg", "engine_args_json", "choices", "quantization")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,9 @@ class EngineConfig(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARG_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     device: str
     dtype: str
@@ -36,10 +39,23 @@ class EngineConfig(_message.Message):
     max_num_seqs: int
     model_name: str
     model_arg: str
-    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., model_name: _Optional[str] = ..., model_arg: _Optional[str] = ...) -> None: ...
+    engine_args_json: str
+    choices: _containers.RepeatedCompositeFieldContainer[EngineChoice]
+    quantization: str
+    def __init__(self, model: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vllm_version: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., model_name: _Optional[str] = ..., model_arg: _Optional[str] = ..., engine_args_json: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[EngineChoice, _Mapping]]] = ..., quantization: _Optional[str] = ...) -> None: ...
+
+class EngineChoice(_message.Message):
+    __slots__ = ("name", "value", "why")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    why: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission", "startup")
+    __slots__ = ("version", "pid", "socket", "home", "ready", "uptime_s", "engine_start_s", "engine", "requests_in_flight", "capacity", "http", "admission", "startup", "state")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +69,7 @@ class StatusReply(_message.Message):
     HTTP_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     socket: str
@@ -66,7 +83,8 @@ class StatusReply(_message.Message):
     http: str
     admission: Admission
     startup: Startup
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., startup: _Optional[_Union[Startup, _Mapping]] = ...) -> None: ...
+    state: str
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., socket: _Optional[str] = ..., home: _Optional[str] = ..., ready: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., engine_start_s: _Optional[float] = ..., engine: _Optional[_Union[EngineConfig, _Mapping]] = ..., requests_in_flight: _Optional[int] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., http: _Optional[str] = ..., admission: _Optional[_Union[Admission, _Mapping]] = ..., startup: _Optional[_Union[Startup, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
 
 class Startup(_message.Message):
     __slots__ = ("stage", "message", "done", "total", "unit", "detail", "elapsed_s", "eta_s")
@@ -459,7 +477,7 @@ class WeightedAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("name", "modelfile", "adapters", "system", "template", "parameters", "messages", "license")
+    __slots__ = ("name", "modelfile", "adapters", "system", "template", "parameters", "messages", "license", "force")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODELFILE_FIELD_NUMBER: _ClassVar[int]
     FROM_FIELD_NUMBER: _ClassVar[int]
@@ -469,6 +487,7 @@ class CreateRequest(_message.Message):
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     LICENSE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     modelfile: str
     adapters: _containers.RepeatedScalarFieldContainer[str]
@@ -477,15 +496,18 @@ class CreateRequest(_message.Message):
     parameters: _containers.RepeatedScalarFieldContainer[str]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     license: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., modelfile: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., system: _Optional[str] = ..., template: _Optional[str] = ..., parameters: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., license: _Optional[_Iterable[str]] = ..., **kwargs) -> None: ...
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., modelfile: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., system: _Optional[str] = ..., template: _Optional[str] = ..., parameters: _Optional[_Iterable[str]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., license: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ..., **kwargs) -> None: ...
 
 class CopyRequest(_message.Message):
-    __slots__ = ("source", "destination")
+    __slots__ = ("source", "destination", "force")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     source: str
     destination: str
-    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, source: _Optional[str] = ..., destination: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class Merge(_message.Message):
     __slots__ = ("method", "sources", "rank", "relative_error")
@@ -510,16 +532,18 @@ class MergeSource(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class MergeRequest(_message.Message):
-    __slots__ = ("name", "sources", "method", "svd_rank")
+    __slots__ = ("name", "sources", "method", "svd_rank", "force")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     SVD_RANK_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     sources: _containers.RepeatedCompositeFieldContainer[MergeSource]
     method: str
     svd_rank: int
-    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., method: _Optional[str] = ..., svd_rank: _Optional[int] = ...) -> None: ...
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., method: _Optional[str] = ..., svd_rank: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ("json",)

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from grpclib.protocol import H2Protocol
@@ -77,6 +78,24 @@ class CoalescingTransport:
 class CoalescingH2Protocol(H2Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescingTransport(transport, asyncio.get_running_loop()))  # type: ignore[arg-type]
+
+
+class _ClientHungUp(logging.Filter):
+    """grpclib logs at INFO every call whose client closed its connection before the call's end
+    (``Request was cancelled: Connection lost``): what every ``loractl run`` does once it has its
+    answer, and a Ctrl-C. Normal client behaviour: kept at DEBUG (``--log-level DEBUG``), not INFO."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and str(record.msg).startswith("Request was cancelled"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_hang_ups(logger: logging.Logger = logging.getLogger("grpclib.server")) -> None:
+    """Install :class:`_ClientHungUp` on grpclib's server logger, once."""
+    if not any(isinstance(f, _ClientHungUp) for f in logger.filters):
+        logger.addFilter(_ClientHungUp())
 
 
 class CoalescingServer(Server):

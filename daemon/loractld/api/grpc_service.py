@@ -166,6 +166,7 @@ class LoractlService(LoractlBase):
         await stream.recv_message()
         view = await self.core.status()
         fields = dataclasses.asdict(view)
+        fields["engine"]["choices"] = [pb.EngineChoice(**c) for c in fields["engine"]["choices"]]
         fields["engine"] = pb.EngineConfig(**fields["engine"])
         fields["capacity"] = pb.Capacity(**fields["capacity"])
         admission = fields["admission"]
@@ -231,7 +232,8 @@ class LoractlService(LoractlBase):
     @domain_errors
     async def List(self, stream) -> None:
         request: pb.ListRequest = await stream.recv_message()
-        views = await self.core.list_adapters() + await self.core.list_profiles()
+        owned = self.core.owned_adapters()   # a weighted profile's merge: listed as what that profile runs
+        views = [a for a in await self.core.list_adapters() if a.name not in owned] + await self.core.list_profiles()
         text = self._listed_text.reply(views) if request.json else None
         await stream.send_message(pb.ListReply(json=text) if text is not None else self._listed.reply(views))
 
@@ -276,18 +278,21 @@ class LoractlService(LoractlBase):
             parameters=list(request.parameters), messages=[{"role": m.role, "content": m.content}
                                                            for m in request.messages],
             license=list(request.license))
-        await stream.send_message(adapter_message(await self.core.create(request.name, modelfile)))
+        await stream.send_message(adapter_message(await self.core.create(request.name, modelfile,
+                                                                         force=request.force)))
 
     @domain_errors
     @mutating("copy", target=lambda r: f"{r.source} to {r.destination}")
     async def Copy(self, stream, request: pb.CopyRequest) -> None:
-        await stream.send_message(adapter_message(await self.core.copy(request.source, request.destination)))
+        await stream.send_message(adapter_message(await self.core.copy(request.source, request.destination,
+                                                                       force=request.force)))
 
     @domain_errors
     @mutating("merge", target=lambda r: f"{' '.join(f'{s.name}={s.weight:g}' for s in r.sources)} as {r.name}")
     async def Merge(self, stream, request: pb.MergeRequest) -> None:
         view = await self.core.merge(request.name, [(s.name, s.weight) for s in request.sources],
-                                     method=request.method or "cat", svd_rank=request.svd_rank or None)
+                                     method=request.method or "cat", svd_rank=request.svd_rank or None,
+                                     force=request.force)
         await stream.send_message(adapter_message(view))
 
     @domain_errors

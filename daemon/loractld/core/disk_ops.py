@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from loractl.errors import InvalidRequest, LoractlError
+from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
 from loractld.events import Event
 from loractld.views import AdapterView, RemovedView
 
@@ -88,16 +88,24 @@ class DiskOps:
         catalog = await self._wait_catalog()
         if catalog.profiles.get(name) is not None:
             return await self.show_profile(name)
-        adapter = await asyncio.to_thread(catalog.store.get, name)
+        adapter = await asyncio.to_thread(self._stored_or_close, catalog, name)
         await asyncio.to_thread(catalog.resolver.warm, [name])
         state = await self.tiers.sync() if self.tiers else None
         return self._described(catalog, adapter, state)
+
+    def _stored_or_close(self, catalog: Catalog, name: str) -> StoredAdapter:
+        """``catalog.store.get(name)``; a name neither stored nor a profile is refused with its close
+        matches, profiles among them (``Core.not_stored``), not with advice to pull under it."""
+        try:
+            return catalog.store.get(name)
+        except AdapterNotFound:
+            raise self.not_stored(name) from None
 
     async def remove(self, name: str, *, force: bool = False) -> RemovedView:
         catalog = await self._wait_catalog()
         if catalog.profiles.get(name) is not None:
             return await self.remove_profile(name)
-        catalog.store.get(name)  # AdapterNotFound before anything else
+        await asyncio.to_thread(self._stored_or_close, catalog, name)  # AdapterNotFound before anything else
         users = self.profiles_using(name)
         if users and not force:
             raise InvalidRequest(f"{name!r} is used by profile{'s' if len(users) > 1 else ''} {', '.join(users)}",
@@ -109,7 +117,8 @@ class DiskOps:
         if self._serving[name] > 0:
             raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",
                                  "Wait for them to finish, then remove it.")
-        _, tiers = await self._wait_engine()
+        # A stopped engine (asleep after --keep-alive idle, on the CPU) holds nothing: no wake.
+        _, tiers = await self._wait_engine(wake=not self._engine_stopped_asleep())
         if name in tiers.pinned_names() and not force:
             raise InvalidRequest(f"{name!r} is pinned", f"Unpin it first (loractl unpin {name}), "
                                  "or remove it anyway with --force.")
@@ -166,7 +175,9 @@ class DiskOps:
                 old_digest = files_digest(previous.manifest["files"])
                 old_id = catalog.resolver.id_for(old_digest)
                 try:
-                    await self.tiers.repin(name)
+                    # A pinned name's new revision is pinned in the engine: woken for it (--keep-alive).
+                    async with self.engine_hold() if self.tiers.pin_of(name) else contextlib.nullcontext():
+                        await self.tiers.repin(name)
                 except LoractlError as e:  # the new revision is installed: the pull stands
                     _log.warning("pull %s: the pin was not moved to the new revision: %s", name, e.message)
                     self.events.publish(Event("FAILED", name, message=f"pin not moved: {e.message}",

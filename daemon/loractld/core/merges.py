@@ -31,7 +31,7 @@ from loractl.names import validate_name
 from loractld.core import policy
 from loractld.store.disk import files_digest
 from loractld.store.merge import merge_adapters
-from loractld.store.pulls import PullEvent, installed_records
+from loractld.store.pulls import PullEvent, installed_records, origin
 from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE
 from loractld.views import AdapterView
 
@@ -44,18 +44,21 @@ _log = logging.getLogger("loractld.core")
 
 class MergeOps:
     async def merge(self, name: str, sources: list[tuple[str, float]], *, method: str = "cat",
-                    svd_rank: int | None = None, caller: policy.Caller | None = None) -> AdapterView:
+                    svd_rank: int | None = None, caller: policy.Caller | None = None,
+                    force: bool = False) -> AdapterView:
         """Store under ``name`` the adapter whose delta is ``sum(weight * delta(source))``
-        (``method`` ``cat``: exact; ``svd``: truncated to ``svd_rank``, its error reported)."""
+        (``method`` ``cat``: exact; ``svd``: truncated to ``svd_rank``, its error reported).
+        A name holding another adapter is refused unless ``force``; one holding a merge of the
+        same sources and weights is updated (a source's new revision), a profile's always refused."""
         validate_name(name)
         if caller is None:   # the door authorized and audited it (gRPC's @mutating)
-            return await self._merge(name, sources, method, svd_rank)
+            return await self._merge(name, sources, method, svd_rank, force)
         async with policy.authorized(caller, self.socket_gid, "merge", name, refusal="merge adapters",
                                      hint="Ask the daemon's owner, or use the HTTP API key."):
-            return await self._merge(name, sources, method, svd_rank)
+            return await self._merge(name, sources, method, svd_rank, force)
 
     async def _merge(self, name: str, sources: list[tuple[str, float]], method: str,
-                     svd_rank: int | None) -> AdapterView:
+                     svd_rank: int | None, force: bool = False) -> AdapterView:
         catalog = await self._wait_catalog()
         engine, _ = await self._wait_engine()   # its rank limit, and its loader's word (preflight)
         if not sources:
@@ -65,22 +68,38 @@ class MergeOps:
                                  "Give the merge a new name (or loractl rm the old one afterwards).")
         stored = []
         for source, weight in sources:
-            adapter = await asyncio.to_thread(catalog.store.get, source)   # AdapterNotFound, damaged
+            profile = self.profile_of(source)
+            if profile is not None:
+                raise InvalidRequest(f"{source!r} is a profile, not an adapter: a merge takes stored adapters",
+                                     f"Merge the adapter it runs ({profile.adapter})." if profile.adapter else
+                                     f"It runs the base model, which has no delta to merge; loractl show {source}.")
+            adapter = await asyncio.to_thread(self._stored_or_close, catalog, source)   # AdapterNotFound, damaged
             stored.append((files_digest(adapter.manifest["files"]), float(weight), adapter))
         stored.sort(key=lambda s: (s[0], s[1]))   # the content does not depend on the order given
         with self._tracked("the daemon is shutting down; the merge was stopped (nothing was installed)"):
             # Runs to its end once started (its lock held until then): an install is announced
             # whoever waits for it.
             adapter = await self._after_installs(self._make(catalog, name, stored, method, svd_rank,
-                                                            engine.settings.max_lora_rank))
+                                                            engine.settings.max_lora_rank, force))
         state = await self.tiers.sync() if self.tiers else None
         return self._described(catalog, adapter, state)
 
     async def _make(self, catalog: Catalog, name: str, stored: list, method: str, svd_rank: int | None,
-                    max_lora_rank: int) -> StoredAdapter:
+                    max_lora_rank: int, force: bool = False) -> StoredAdapter:
         loop = asyncio.get_running_loop()
         async with catalog.puller.lock(name), contextlib.AsyncExitStack() as leases:
+            other = catalog.puller.other_holder(name)   # under the name's lock, as a create asks the store
+            if other is not None:
+                raise InvalidRequest(f"{name!r} is taken: {other} has that name", "Give the merge another name "
+                                     "(adapters and profiles share one name space; loractl ls lists them).")
             current = _current(catalog, name)
+            if current is not None and not current.hand_placed and not force and not (
+                    current.manifest.get("source") == "merge" and
+                    current.manifest.get("ref") == _ref(stored, method, svd_rank)):
+                # The same sources and weights again: an update (a source's new revision); else another adapter.
+                raise InvalidRequest(f"{name!r} is taken: it holds {origin(current)}",
+                                     "Give the merge another name, or replace it with --force "
+                                     f"(loractl show {name} says what it is).")
             for _, _, adapter in stored:   # no GC deletes a source's folder while it is read
                 leases.callback(catalog.store.lease(adapter.path).release)
 

@@ -13,7 +13,10 @@ The rule, for each ADAPTER value (its weight already split off by the parser):
    relative path that still reaches the daemon is refused: the daemon's working folder and home
    mean nothing to the caller;
 3. otherwise a ref an adapter source understands (``org/repo``, ``hf://org/repo@rev/sub``, a
-   plugin's) is pulled from there, with the daemon's ``HF_ENDPOINT``/``HF_TOKEN``.
+   plugin's) is pulled from there, with the daemon's ``HF_ENDPOINT``/``HF_TOKEN`` — except a
+   value in a stored name's form that is close to a stored adapter's name (``sql-exprt/v1``),
+   refused with "did you mean": a typo must not fetch somebody else's repo. Written as
+   ``hf://...`` (or in a form no stored name takes) it is always a Hub ref.
 
 Invariants:
 - A pulled source is stored under a name derived from the profile's: ``<profile>-adapter``,
@@ -37,13 +40,14 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loractl.errors import InvalidRequest, LoractlError
-from loractl.names import validate_name
+from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
+from loractl.names import NAME_RE, colon_weight, validate_name
 from loractld.core import policy
 from loractld.store.modelfile import Modelfile, refused
 from loractld.store.sources import parse_hub_ref, pick_source
@@ -57,6 +61,12 @@ if TYPE_CHECKING:
 _log = logging.getLogger("loractld.core")
 SUFFIX = "-adapter"
 _RELATIVE = ("./", "../", "~")
+
+
+def adapter_taken(name: str) -> InvalidRequest:
+    """The refusal of a profile's name that an adapter holds (one name space for both)."""
+    return InvalidRequest(f"{name!r} is taken: it is an adapter in the store", "Give the profile another name "
+                          "(adapters and profiles share one name space; loractl ls lists them).")
 
 
 class CreatePulls:
@@ -115,6 +125,8 @@ async def sourced(core, name: str, modelfile: Modelfile,
     validate_name(name)   # the pulled names derive from it: refused before anything is pulled
     catalog = await core._wait_catalog()
     await asyncio.to_thread(catalog.profiles.check_writable, name)   # a newer release's profile: left alone
+    if await asyncio.to_thread(catalog.store.has, name):   # one name space: refused before anything is pulled
+        raise adapter_taken(name)
     lines = getattr(modelfile, "adapter_lines", [])
     async with undone_on_failure(core, caller) as pulls:
         adapters: list[tuple[str, float]] = []
@@ -138,11 +150,23 @@ async def _stored(core, pulls: CreatePulls, profile: str, value: str, line: int,
         raise refused(line, f"ADAPTER {value!r} is a relative path, which the daemon cannot resolve",
                       "Give the folder's absolute path (loractl create -f makes a Modelfile's relative paths "
                       "absolute against the Modelfile's folder).")
+    if NAME_RE.match(value):
+        # A form a stored name takes, which no stored adapter has: a typo of a stored name is refused
+        # (it would pull somebody else's Hub repo); with no close match it is taken as a Hub ref.
+        # Closer than other suggestions' 0.6: a Hub repo that merely resembles a stored name is pulled.
+        close = await asyncio.to_thread(functools.partial(core.close_matches, value, adapters_only=True, cutoff=0.8))
+        if close:
+            where = f"Modelfile line {line}: " if line else ""
+            raise AdapterNotFound(f"{where}ADAPTER {value!r} is not a stored adapter",
+                                  f"Did you mean {' or '.join(repr(c) for c in close)}? To pull a Hub repo of that "
+                                  f"name, write it as one: ADAPTER hf://{value}.")
     try:
         source = pick_source(catalog.puller.sources, value)
         canonical = _canonical(source.name, value)
     except InvalidRequest:
+        weighted = colon_weight(value)
         raise refused(line, f"ADAPTER {value!r} is neither a stored adapter, a folder nor a Hub ref",
+                      f"A weight is written with '=': ADAPTER {weighted[0]}={weighted[1]}." if weighted else
                       "Name a stored adapter (loractl ls), an adapter folder (./my-adapter) or a Hub repo "
                       "(org/repo, hf://org/repo@rev/sub).") from None
     target = await asyncio.to_thread(_name_for, catalog.store, profile, canonical, taken)

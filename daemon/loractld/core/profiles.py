@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from loractl.errors import AdapterNotFound, InvalidRequest
 from loractl.names import validate_name
-from loractld.core.profile_sources import sourced
+from loractld.core.profile_sources import adapter_taken, sourced
 from loractld.events import Event
 from loractld.store.modelfile import (PARAMETERS, Modelfile, adapter_weight, checked_template, openai_fields, parse,
                                       refused)
@@ -99,6 +99,27 @@ def combined(text: str = "", *, base: str | None = None, adapters: list[str] = (
     return m
 
 
+MERGED = "-merged"   # a weighted profile's merged adapter: <profile>-merged
+
+
+def owned_adapter(profile: Profile) -> str | None:
+    """The adapter ``profile`` owns: its merge of weighted ADAPTER lines, ``<name>-merged``."""
+    return profile.adapter if profile.adapter == f"{profile.name}{MERGED}" else None
+
+
+def profile_taken(name: str, *, copy: bool = False) -> InvalidRequest:
+    return InvalidRequest(f"{name!r} is taken: a profile has that name" + ("" if copy else ", made otherwise"),
+                          f"{'Copy' if copy else 'Create it'} under another name, or replace it with --force "
+                          f"(loractl show {name} --modelfile prints it; loractl rm {name} removes it).")
+
+
+def _stored_or_none(catalog: Catalog, name: str):
+    try:
+        return catalog.store.get(name)
+    except AdapterNotFound:
+        return None
+
+
 def profile_view(profile: Profile) -> AdapterView:
     return AdapterView(
         name=profile.name, kind="profile", base_model=profile.base, pulled_at=profile.created_at,
@@ -142,18 +163,46 @@ class ProfileOps:
         return self.catalog.profiles.users_of(adapter) if self.catalog is not None else []
 
     # -- writing --------------------------------------------------------------------------
-    async def create(self, name: str, modelfile: Modelfile, *, caller=None) -> AdapterView:
-        """Make (or replace) the profile ``name`` from ``modelfile`` (see the module's invariants),
-        its ADAPTER folders and Hub refs pulled first, and removed again if it fails (core/profile_sources.py)."""
+    async def create(self, name: str, modelfile: Modelfile, *, caller=None, force: bool = False,
+                     listed_as: str = "") -> AdapterView:
+        """Make the profile ``name`` from ``modelfile`` (see the module's invariants), its ADAPTER
+        folders and Hub refs pulled first, and removed again if it fails (core/profile_sources.py).
+        A profile of that name is replaced by the same Modelfile (an update: its adapters' new
+        revisions), by another only with ``force``; an adapter's name is refused."""
         async with sourced(self, name, modelfile, caller) as modelfile:
-            return await self._create_profile(name, modelfile, caller=caller)
+            return await self._create_profile(name, modelfile, caller=caller, force=force, listed_as=listed_as)
 
-    async def _create_profile(self, name: str, modelfile: Modelfile, *, caller=None) -> AdapterView:
+    async def _create_profile(self, name: str, modelfile: Modelfile, *, caller=None, force: bool = False,
+                              listed_as: str = "") -> AdapterView:
         catalog = await self._wait_catalog()
         validate_name(name)
         if await asyncio.to_thread(catalog.store.has, name):
-            raise InvalidRequest(f"{name!r} is an adapter in the store", "Give the profile another name "
-                                 "(adapters and profiles share one name space; loractl ls lists them).")
+            raise adapter_taken(name)
+        profile, sources = await self._planned(catalog, name, modelfile)
+        existing = catalog.profiles.get(name)
+        if existing is not None and not force and existing.modelfile_text() != profile.modelfile_text():
+            raise profile_taken(name)
+        owned = owned_adapter(existing) if existing is not None else None
+        profile.adapter = await self._one_adapter(name, sources, caller, replace=owned is not None)
+        if profile.adapter:
+            ref = await catalog.resolver.resolve_async(profile.adapter)
+            profile.digest = ref.digest
+        profile.created_at = time.time()
+        # An Ollama name its store name cannot say (org/m:v1), kept by a create from another door.
+        profile.listed_as = listed_as or (existing.listed_as if existing is not None else "")
+        async with catalog.puller.lock(name):   # a pull or merge of this name checks for a profile under it
+            if await asyncio.to_thread(catalog.store.has, name):
+                raise adapter_taken(name)
+            await asyncio.to_thread(catalog.profiles.put, profile)
+        self.events.publish(Event("DOWNLOADED_TO_DISK", name, reason="profile", message=f"profile {name} created"))
+        if owned is not None and profile.adapter != owned:
+            await self._remove_owned(name, owned)   # the replaced profile's own merge: nothing runs it now
+        return profile_view(profile)
+
+    async def _planned(self, catalog: Catalog, name: str, modelfile: Modelfile,
+                       stored: bool = True) -> tuple[Profile, list[tuple[str, float]]]:
+        """The profile ``modelfile`` makes (but its one adapter) and the adapters it runs, with
+        weights; ``stored``: each ADAPTER must be a stored adapter's name."""
         profile = Profile(name=name, base=modelfile.base, adapters=[[n, w] for n, w in modelfile.adapters])
         sources: list[tuple[str, float]] = []
         origin = catalog.profiles.get(modelfile.base)
@@ -168,12 +217,14 @@ class ProfileOps:
         elif await asyncio.to_thread(catalog.store.has, modelfile.base):
             sources = [(modelfile.base, 1.0)]
         else:
-            known = sorted(self.base_model_names() - {""})
+            # Named as the user started it (--model as given: demo), not the folder it resolved to.
+            asked = self.model_name.asked if getattr(self, "model_name", None) is not None else ""
+            known = [asked] if asked else sorted(self.base_model_names() - {""})
             raise refused(0, f"FROM {modelfile.base!r} names neither the base model nor a stored adapter or profile",
                           f"This daemon serves {known[0] if known else 'its --model'}: FROM that, an adapter or a "
                           "profile (loractl ls lists them); pull an adapter first with loractl pull.")
         for adapter, weight in modelfile.adapters:
-            if not await asyncio.to_thread(catalog.store.has, adapter):
+            if stored and not await asyncio.to_thread(catalog.store.has, adapter):
                 raise InvalidRequest(f"ADAPTER {adapter!r} is not a stored adapter",
                                      f"Pull it first (loractl pull REF --name NAME), then name it in ADAPTER.")
             sources.append((adapter, weight))
@@ -182,19 +233,48 @@ class ProfileOps:
         if modelfile.template is not None:
             profile.template = modelfile.template
         profile.parameters.update(modelfile.parameters)
+        self._check_context(profile.parameters, getattr(modelfile, "parameter_lines", {}))
         profile.messages += modelfile.messages
         profile.license += modelfile.license
-        profile.adapter = await self._one_adapter(name, sources, caller)
-        if profile.adapter:
-            ref = await catalog.resolver.resolve_async(profile.adapter)
-            profile.digest = ref.digest
-        profile.created_at = time.time()
-        await asyncio.to_thread(catalog.profiles.put, profile)
-        self.events.publish(Event("DOWNLOADED_TO_DISK", name, reason="profile", message=f"profile {name} created"))
-        return profile_view(profile)
+        return profile, sources
 
-    async def _one_adapter(self, name: str, sources: list[tuple[str, float]], caller) -> str | None:
-        """The one adapter a profile runs: none, the one source, or their merge (``Core.merge``)."""
+    async def check_create(self, name: str, modelfile: Modelfile, *, force: bool = False) -> None:
+        """Refuse now what :meth:`create` would refuse for ``name`` being taken (a door's 4xx before
+        its first status line): an adapter's name, a profile made from another Modelfile. ADAPTER
+        names are not asked for: a door may pull them between this and the create."""
+        catalog = await self._wait_catalog()
+        validate_name(name)
+        await asyncio.to_thread(catalog.profiles.check_writable, name)
+        if await asyncio.to_thread(catalog.store.has, name):
+            raise adapter_taken(name)
+        existing = catalog.profiles.get(name)
+        if existing is not None and not force:
+            profile, _ = await self._planned(catalog, name, modelfile, stored=False)
+            if existing.modelfile_text() != profile.modelfile_text():
+                raise profile_taken(name)
+
+    def _check_context(self, parameters: dict[str, Any], lines: dict[str, int]) -> None:
+        """num_ctx and num_predict that the context in force cannot hold are refused, not clipped
+        (as the Ollama door refuses options.num_ctx): the profile would promise what no request gets."""
+        engine = getattr(self, "engine", None)
+        context = getattr(engine, "max_model_len", None) if engine is not None else None
+        if not isinstance(context, int) or context < 1:
+            return
+        if parameters.get("num_ctx", 0) > context:
+            raise refused(lines.get("num_ctx", 0), f"PARAMETER num_ctx {parameters['num_ctx']} is larger than the "
+                          f"context in force ({context} tokens); refused, not clipped",
+                          f"Give at most PARAMETER num_ctx {context} (or leave it out), or restart loractld with "
+                          "a larger --max-model-len.")
+        if parameters.get("num_predict", 0) >= context:
+            raise refused(lines.get("num_predict", 0), f"PARAMETER num_predict {parameters['num_predict']} leaves no "
+                          f"room for a prompt in the context of {context} tokens; refused, not clipped",
+                          f"Give fewer than {context} tokens, or -1 for as many as the context leaves.")
+
+    async def _one_adapter(self, name: str, sources: list[tuple[str, float]], caller,
+                           replace: bool = False) -> str | None:
+        """The one adapter a profile runs: none, the one source, or their merge (``Core.merge``),
+        stored as ``<name>-merged``: the profile's own (``owned_adapter``; ``replace``: the
+        profile being replaced owns it, so it is made anew)."""
         if not sources:
             return None
         if len(sources) == 1 and sources[0][1] == 1.0:
@@ -203,32 +283,91 @@ class ProfileOps:
         if merge is None:
             raise InvalidRequest("several adapters (or a weighted one) need loractl merge, which this daemon lacks",
                                  "Give one ADAPTER line, or upgrade loractl.")
-        merged = f"{name}-merged"
-        await merge(merged, sources, caller=caller)
+        merged = f"{name}{MERGED}"
+        await merge(merged, sources, caller=caller, force=replace)
         return merged
 
-    async def copy(self, source: str, destination: str) -> AdapterView:
-        """``destination``: a new name for ``source``'s content (a profile, or an adapter)."""
+    def owned_adapters(self) -> dict[str, str]:
+        """The adapters profiles own (a weighted profile's ``<name>-merged``) -> their profile:
+        listed with their profile, not as models of their own, and removed with it."""
+        catalog = self.catalog
+        if catalog is None:
+            return {}
+        return {adapter: p.name for p in catalog.profiles.list() if (adapter := owned_adapter(p)) is not None}
+
+    async def _remove_owned(self, profile: str, adapter: str) -> None:
+        """Remove ``profile``'s own merged ``adapter`` unless another profile runs it."""
         catalog = await self._wait_catalog()
+        if [p for p in self.profiles_using(adapter) if p != profile] or \
+                not await asyncio.to_thread(catalog.store.has, adapter):
+            return
+        await self.remove(adapter, force=True)
+
+    async def copy(self, source: str, destination: str, *, force: bool = False, listed_as: str = "") -> AdapterView:
+        """``destination``: a new name for ``source``'s content (a profile, or an adapter). A name
+        of the other kind is refused; one of the same kind only replaced with ``force``."""
+        catalog = await self._wait_catalog()
+        validate_name(source)
         validate_name(destination)
-        if catalog.profiles.get(destination) is not None or await asyncio.to_thread(catalog.store.has, destination):
-            raise InvalidRequest(f"{destination!r} exists", f"Remove it first (loractl rm {destination}), or copy "
-                                 "to another name.")
         profile = catalog.profiles.get(source)
+        if profile is None and not await asyncio.to_thread(catalog.store.has, source):
+            raise await asyncio.to_thread(self.not_stored, source)
+        if destination == source:
+            raise InvalidRequest(f"{source!r} is copied onto itself", "Copy it to another name.")
         if profile is not None:
-            copied = Profile(**{**profile.__dict__, "name": destination, "created_at": time.time()})
+            return await self._copy_profile(catalog, profile, destination, force, listed_as)
+        if catalog.profiles.get(destination) is not None:
+            raise profile_taken(destination, copy=True)
+        return await self._copy_adapter(catalog, source, destination, force)
+
+    async def _copy_profile(self, catalog: Catalog, profile: Profile, destination: str, force: bool,
+                            listed_as: str = "") -> AdapterView:
+        await asyncio.to_thread(catalog.profiles.check_writable, destination)
+        if await asyncio.to_thread(catalog.store.has, destination):
+            raise adapter_taken(destination)
+        existing = catalog.profiles.get(destination)
+        if existing is not None and not force:
+            raise profile_taken(destination, copy=True)
+        copied = Profile(**{**profile.__dict__, "name": destination, "created_at": time.time(), "listed_as": listed_as})
+        own, old_own = owned_adapter(profile), owned_adapter(existing) if existing is not None else None
+        if own is not None:   # the copy gets its own merged adapter (the same content): each removed alone
+            copied.adapter = f"{destination}{MERGED}"
+            await self._copy_adapter(catalog, own, copied.adapter, force=old_own == copied.adapter)
+        async with catalog.puller.lock(destination):
+            if await asyncio.to_thread(catalog.store.has, destination):
+                raise adapter_taken(destination)
             await asyncio.to_thread(catalog.profiles.put, copied)
-            self.events.publish(Event("DOWNLOADED_TO_DISK", destination, reason="profile",
-                                      message=f"profile {destination} copied from {source}"))
-            return profile_view(copied)
-        if not await asyncio.to_thread(catalog.store.has, source):
-            raise AdapterNotFound(f"no adapter or profile named {source!r}", "loractl ls lists them.")
-        stored = await asyncio.to_thread(catalog.store.copy, source, destination)
-        self.events.publish(Event("DOWNLOADED_TO_DISK", destination, message=f"copied from {source}"))
+        self.events.publish(Event("DOWNLOADED_TO_DISK", destination, reason="profile",
+                                  message=f"profile {destination} copied from {profile.name}"))
+        if old_own is not None and old_own != copied.adapter:
+            await self._remove_owned(destination, old_own)
+        return profile_view(copied)
+
+    async def _copy_adapter(self, catalog: Catalog, source: str, destination: str, force: bool) -> AdapterView:
+        from loractld.store.pulls import PullEvent, origin
+
+        async with catalog.puller.lock(destination):
+            other = catalog.puller.other_holder(destination)
+            if other is not None:
+                raise InvalidRequest(f"{destination!r} is taken: {other} has that name", "Copy to another name "
+                                     "(adapters and profiles share one name space; loractl ls lists them).")
+            current = await asyncio.to_thread(_stored_or_none, catalog, destination)
+            if current is not None and not force:
+                raise InvalidRequest(f"{destination!r} is taken: it holds {origin(current)}",
+                                     f"Copy to another name, or replace it with --force (loractl show {destination} "
+                                     "says what it is).")
+            stored = await asyncio.to_thread(catalog.store.copy, source, destination, replace=force)
+            await self._installed(catalog, PullEvent("done", message=f"copied {destination} from {source}",
+                                                     adapter=stored, previous=current))
         return await self.show(stored.name)
 
     async def remove_profile(self, name: str) -> RemovedView:
+        """Remove the profile ``name`` and its own merged adapter (``owned_adapter``), that first:
+        an adapter that cannot go now (serving requests) leaves the profile as it was."""
         catalog = await self._wait_catalog()
+        own = owned_adapter(catalog.profiles.require(name))
+        if own is not None:
+            await self._remove_owned(name, own)
         profile = await asyncio.to_thread(catalog.profiles.remove, name)
         self.events.publish(Event("DELETED_FROM_DISK", name, reason="profile"))
         return RemovedView(profile_view(profile), False)

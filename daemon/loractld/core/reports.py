@@ -9,6 +9,7 @@ A part of ``Core`` (a base class of it).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -16,8 +17,8 @@ from loractl import __version__
 from loractld.core.state import engine_died
 from loractld.models.naming import relabel_model
 from loractld.serving.signals import scheduler_series
-from loractld.views import (AdapterQueueView, AdmissionView, CapacityView, EngineConfigView, RequestView, StartupView,
-                            StatusView)
+from loractld.views import (AdapterQueueView, AdmissionView, CapacityView, EngineChoiceView, EngineConfigView,
+                            RequestView, StartupView, StatusView)
 
 
 class Reports:
@@ -32,7 +33,11 @@ class Reports:
                                       max_model_len=engine.max_model_len, vllm_version=engine.vllm_version,
                                       kv_cache_bytes=engine.kv_cache_bytes or 0, max_num_seqs=engine.max_num_seqs,
                                       model_name=self.model_label, model_arg=self.model_name.asked
-                                      if self.model_name else "")
+                                      if self.model_name else "",
+                                      engine_args_json=json.dumps(engine.engine_args, sort_keys=True),
+                                      choices=[EngineChoiceView(c.name, ", ".join(map(str, c.value)) if isinstance(c.value, list) else str(c.value),
+                                                               c.why) for c in engine.choices],
+                                      quantization=str(engine.engine_args.get("quantization") or ""))
         if engine is not None and tiers is not None and catalog is not None:
             self._refuse_if_engine_dead(engine)
             try:
@@ -51,11 +56,23 @@ class Reports:
                 max_lora_rank=engine.settings.max_lora_rank, disk_adapters=len(stored),
                 disk_bytes=sum(a.size_bytes for a in stored))
         return StatusView(version=__version__, pid=os.getpid(), socket=self.socket_path, home=self.home,
-                          ready=self.ready, uptime_s=time.monotonic() - self.started,
+                          ready=self.ready, state=self.engine_state(), uptime_s=time.monotonic() - self.started,
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
                           requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url,
                           admission=self._admission_view(),
                           startup=self.startup.view() if engine is None and self.startup_error is None else StartupView())
+
+    def engine_state(self) -> str:
+        """starting, ready, asleep (given back after ``--keep-alive`` idle, or falling asleep),
+        waking (a request woke it), stopping; failed when the engine could not start."""
+        if self.draining:
+            return "stopping"
+        if self.engine is None:
+            return "failed" if self.startup_error is not None else "starting"
+        keep_alive = self.keep_alive
+        if keep_alive is not None and keep_alive.asleep:
+            return "waking" if keep_alive.state == "waking" else "asleep"
+        return "ready"
 
     def _admission_view(self) -> AdmissionView:
         gate = self.gate

@@ -74,12 +74,14 @@ class RequestPath:
         """vLLM's OpenAI serving classes over this daemon's engine (built once per engine): the
         HTTP door's generation routes. Their engine requests pass :meth:`engine_request`."""
         engine, _ = await self._wait_engine()
-        if self._openai is None or self._openai[0] is not engine:
+        if self._openai is None or self._openai[0] is not engine or self._openai[1].stale:  # stale: a new engine (a wake)
             from loractld.engine.openai_serving import OpenAISurface
 
             surface = OpenAISurface(engine, engine.settings.openai, self.engine_request, self._generated,
                                     [self.served_model_name or self.model_label])
-            self._openai = (engine, surface)
+            old, self._openai = self._openai, (engine, surface)
+            if old is not None:   # the last engine's: its idle template renderers go (a keep-alive wake)
+                await old[1].templates.close()
         return self._openai[1]
 
     @staticmethod
@@ -142,6 +144,10 @@ class RequestPath:
         return adapter, name, lease
 
     async def prepare(self, request: GenerationRequest) -> Prepared:
+        async with self.engine_hold():   # awake, and not falling asleep while it renders (--keep-alive)
+            return await self._prepare(request)
+
+    async def _prepare(self, request: GenerationRequest) -> Prepared:
         """Everything that can refuse a request before the engine sees it: the adapter, the
         messages, the prompt's tokens against the context, the sampling parameters. The prompt is
         rendered and the sampling fields mapped by vLLM's serving classes, as for the HTTP door
@@ -214,11 +220,12 @@ class RequestPath:
         assert gate is not None
         try:
             with self._tracked("the daemon is shutting down; the generation was stopped"):
-                ticket = await gate.enter(adapter.engine_id if adapter else None,
-                                          name or (adapter.label if adapter else ""), adapter)
-                label = TicketLabel((("adapter", ticket.label),))
-                label.ticket = ticket
-                yield label
+                async with self.engine_hold():   # woken if asleep; no sleep until it ends (--keep-alive)
+                    ticket = await gate.enter(adapter.engine_id if adapter else None,
+                                              name or (adapter.label if adapter else ""), adapter)
+                    label = TicketLabel((("adapter", ticket.label),))
+                    label.ticket = ticket
+                    yield label
         finally:
             if ticket is not None:
                 gate.finish(ticket)
@@ -238,10 +245,27 @@ class RequestPath:
                 raise  # a missing folder, or a malformed name typed at the CLI: its own message
             raise UnknownModel(lora, await asyncio.to_thread(self.close_matches, lora)) from e
 
-    def close_matches(self, name: str) -> list[str]:
-        """Names the user may have meant; reads the store, so only on the error path."""
+    def close_matches(self, name: str, *, adapters_only: bool = False, cutoff: float = 0.6) -> list[str]:
+        """Names the user may have meant (stored adapters, profiles and the served model's name;
+        ``adapters_only``: stored adapters); reads the store, so only on the error path."""
         stored = {a.name for a in self.catalog.store.list()} if self.catalog is not None else set()
-        known = sorted(stored | ({self.served_model_name} if self.served_model_name else set()))
+        if not adapters_only:
+            stored |= {p.name for p in self.catalog.profiles.list()} if self.catalog is not None else set()
+            stored |= {self.served_model_name} if self.served_model_name else set()
+        known = sorted(stored)
         by_lower = {k.lower(): k for k in known}
-        matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)
+        matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=cutoff)
         return [by_lower[m] for m in matches]
+
+    def not_stored(self, name: str) -> AdapterNotFound:
+        """The refusal of a name that is neither a stored adapter nor a profile (``show``, ``rm``,
+        ``cp``, a merge's source): its close matches, each said to be a profile where it is one;
+        advice to pull under the name only when nothing is close (a typo is no new name)."""
+        close = [c for c in self.close_matches(name) if c not in self.base_model_names()]
+        if close:
+            named = [f"{c!r} (a profile)" if self.profile_of(c) is not None else repr(c) for c in close]
+            hint = (f"Did you mean {' or '.join(named)}? loractl ls lists the adapters and profiles; "
+                    "loractl pull REF --name NAME adds one.")
+        else:
+            hint = f"Pull it first: loractl pull ORG/REPO --name {name} (loractl ls lists the store)."
+        return AdapterNotFound(f"no adapter named {name!r} in the store", hint)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from loractld.models.basemodel import BaseModel
     from loractld.models.naming import ModelName
     from loractld.serving.admission import Gate
+    from loractld.serving.keep_alive import KeepAlive
     from loractld.serving.tiers import Tiers
     from loractld.store.disk import Store
     from loractld.store.identity import AdapterResolver
@@ -53,6 +54,10 @@ class Catalog:
     def __post_init__(self) -> None:
         if self.profiles is None:
             self.profiles = Profiles(self.store.root)
+        # One name space: a pull (or a merge, a copy) of a profile's name is refused, by name.
+        if self.puller is not None:
+            self.puller.other_holder = lambda name: \
+                f"profile {name!r}" if self.profiles.get(name) is not None else None
 
 
 class CoreState:
@@ -85,6 +90,7 @@ class CoreState:
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
         self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
         self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
+        self.keep_alive: KeepAlive | None = None   # --keep-alive: the engine's sleep (loractld.serving.keep_alive)
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -131,9 +137,13 @@ class CoreState:
         if self.startup_error is not None:
             raise self.startup_error
 
-    async def _wait_engine(self) -> tuple[Engine, Tiers]:
+    async def _wait_engine(self, *, wake: bool = True) -> tuple[Engine, Tiers]:
+        """The engine and its tiers once the engine is up, and awake: a sleeping engine
+        (``--keep-alive``) is woken first, and this waits for it (``wake`` False: not woken)."""
         await self._ready(self.engine_ready)
         assert self.engine is not None and self.tiers is not None
+        if self.keep_alive is not None and wake:
+            await self.keep_alive.awake()
         self._refuse_if_engine_dead(self.engine)
         return self.engine, self.tiers
 
@@ -141,6 +151,16 @@ class CoreState:
         """A dead engine is an answer of its own (clients stop waiting), not an internal error."""
         if self.engine_died or engine.errored:
             raise engine_died()
+
+    def _engine_stopped_asleep(self) -> bool:
+        """The engine sleeps as a full stop (``--keep-alive`` on the CPU): it holds nothing."""
+        engine = self.engine
+        return self.keep_alive is not None and engine is not None and engine.stopped_asleep
+
+    def engine_hold(self):
+        """``async with``: the body uses the engine, which is awake for it and does not fall asleep
+        (``--keep-alive``) before it ends."""
+        return self.keep_alive.hold() if self.keep_alive is not None else contextlib.nullcontext()
 
     async def _wait_catalog(self) -> Catalog:
         await self._ready(self.catalog_ready)

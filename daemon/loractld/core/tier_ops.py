@@ -36,8 +36,9 @@ class TierOps:
 
     async def _tier_op(self, name: str, op) -> AdapterView:
         _, tiers = await self._wait_engine()
-        await self.vet(name)
-        await op(tiers)
+        async with self.engine_hold():   # the engine stays awake until the operation ends (--keep-alive)
+            await self.vet(name)
+            await op(tiers)
         catalog = await self._wait_catalog()
         adapter = await asyncio.to_thread(catalog.store.get, name)
         return self._described(catalog, adapter, tiers.last_state)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import EngineUnavailable
-from loractld.engine import compat
+from loractld.engine import compat, device_defaults, engine_flags
 from loractld.engine.device import kv_cache_bytes, resolve_device, settled_dtype
 from loractld.engine.broken import BrokenJournal
 from loractld.engine.openai_serving import ServeOptions
@@ -50,8 +51,10 @@ class EngineSettings:
     model: str
     device: str = "auto"            # auto | cuda | cpu
     dtype: str = "auto"             # auto -> float32 on CPU, vLLM's choice on CUDA
-    max_loras: int = 2              # device slots
-    max_cpu_loras: int = 4          # host cache entries
+    # None: chosen at start for the device (2 and 4 on the CPU; on CUDA from the memory and the
+    # adapters' rank, engine.device_defaults); the started Engine's settings hold the values.
+    max_loras: int | None = None    # device slots
+    max_cpu_loras: int | None = None   # host cache entries
     max_lora_rank: int = 16         # the daemon passes 0 for "from the store" and resolves it before start
     # None: the model's own context length, lowered by vLLM only as far as the KV cache needs
     # (a fixed default killed the engine on a 512-token model and capped 128k models at 1k).
@@ -68,6 +71,12 @@ class EngineSettings:
     cpu_fixes: bool = True
     # vLLM's OpenAI server flags (tools, reasoning, structured outputs, templates): the HTTP door's.
     openai: ServeOptions = field(default_factory=ServeOptions)
+    # vLLM's own engine flags the user gave (AsyncEngineArgs field -> value; engine.engine_flags):
+    # passed to the engine as they are, over loractld's choices.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    # --keep-alive on CUDA: vLLM's sleep mode, so that an idle engine can give the card back
+    # (loractld.serving.keep_alive); the CPU has none (there a sleep stops the engine).
+    sleep_mode: bool = False
 
 
 # A preflight's answer is polled for after 1, 2, 4, ... ms, then every 20 ms: a small adapter's
@@ -124,8 +133,49 @@ def _start_async_llm(async_llm: Any, args: Any, usage_context: Any, device: str)
                                           disable_log_stats=args.disable_log_stats)
 
 
+CPU_MAX_LORAS, CPU_MAX_CPU_LORAS = 2, 4   # measured on the CPU (docs/benchmarks.md); CUDA's: device_defaults
+
+
+def _cpu_moe_targets(settings: EngineSettings) -> list[device_defaults.Choice]:
+    """On the CPU, LoRA on a mixture-of-experts base only where a CPU kernel runs it (models.moe)."""
+    from loractld.models.moe import DENSE_LORA_TARGETS, folder_expert_count
+
+    experts = folder_expert_count(settings.model)
+    if not experts or "lora_target_modules" in settings.engine_args:
+        return []
+    choice = device_defaults.Choice(
+        "lora_target_modules", DENSE_LORA_TARGETS,
+        f"a mixture-of-experts base ({experts} experts a layer): on the CPU LoRA goes on the attention and dense "
+        "layers only, as vLLM's fused-MoE LoRA kernels need Triton (a GPU); adapters that train experts are refused")
+    _log.info("chosen for the CPU: lora_target_modules = %s (%s)", ", ".join(choice.value), choice.why)
+    return [choice]
+
+
+def _sized_for_cuda(settings: EngineSettings, kv_bytes: int | None) -> tuple[EngineSettings, int | None,
+                                                                              list[device_defaults.Choice]]:
+    """Fill what the user left out from the GPUs' free memory, the host's and the model's size
+    (``device_defaults``); log each choice with its reason."""
+    from loractld.models.defaults import available_memory
+
+    given = {**settings.engine_args, "max_loras": settings.max_loras, "max_cpu_loras": settings.max_cpu_loras,
+             "max_num_seqs": settings.max_num_seqs, "max_model_len": settings.max_model_len,
+             "kv_cache_memory_bytes": kv_bytes}
+    facts = device_defaults.model_facts(settings.model, settings.engine_args.get("kv_cache_dtype"), settings.dtype)
+    choices = device_defaults.choose(given, device_defaults.gpu_memory(), available_memory(), facts,
+                                     settings.max_lora_rank)
+    for choice in choices:
+        _log.info("chosen for this GPU: %s = %s (%s)", choice.name, choice.value, choice.why)
+    chosen = {c.name: c.value for c in choices}
+    settings = dataclasses.replace(settings, max_loras=settings.max_loras or chosen.get("max_loras", CPU_MAX_LORAS),
+                                   max_cpu_loras=settings.max_cpu_loras or chosen.get("max_cpu_loras", CPU_MAX_CPU_LORAS))
+    return settings, kv_bytes or chosen.get("kv_cache_memory_bytes"), choices
+
+
 class Engine:
     """A running ``AsyncLLM`` with LoRA enabled. Create with :meth:`start`."""
+
+    choices: list = []          # device_defaults.Choice: what loractld chose for this device, and why
+    engine_args: dict = {}      # the engine settings in effect, under vLLM's names (engine_flags.settled)
 
     def __init__(self, llm: Any, settings: EngineSettings, device: str, dtype: str, start_seconds: float):
         self._llm = llm
@@ -167,13 +217,24 @@ class Engine:
 
         dtype = settings.dtype
         kv_bytes = settings.kv_cache_bytes
+        choices: list[device_defaults.Choice] = []
         if device == "cpu":
             # vLLM needs both on the CPU; derived from the model and the machine (cpu_defaults).
             from loractld.models import defaults as cpu_defaults
 
             chosen = cpu_defaults.for_model(settings.model, dtype, kv_bytes)
             dtype, kv_bytes = chosen.dtype, chosen.kv_cache_bytes
-        args = AsyncEngineArgs(
+            choices += _cpu_moe_targets(settings)
+            settings = dataclasses.replace(settings, max_loras=settings.max_loras or CPU_MAX_LORAS,
+                                           max_cpu_loras=settings.max_cpu_loras or max(CPU_MAX_CPU_LORAS,
+                                                                                       settings.max_loras or 0))
+        else:
+            settings, kv_bytes, choices = _sized_for_cuda(settings, kv_bytes)
+        if settings.max_cpu_loras < settings.max_loras:
+            raise EngineUnavailable(f"max_cpu_loras ({settings.max_cpu_loras}) is below max_loras ({settings.max_loras})",
+                                    f"Every adapter on the device is also cached on the host: use --max-cpu-loras "
+                                    f"{settings.max_loras} or more.")
+        engine_kwargs = dict(
             model=settings.model,
             dtype=dtype,
             enable_lora=True,
@@ -187,8 +248,13 @@ class Engine:
             enforce_eager=device == "cpu",
             seed=settings.seed,
             worker_extension_cls=worker_ext.EXTENSION_CLS,   # loractl's worker methods (collective_rpc)
+            enable_sleep_mode=settings.sleep_mode and device == "cuda",   # --keep-alive (serving.keep_alive)
             **compat.structured_output_args(settings.openai.reasoning_parser, settings.openai.structured_outputs_config),
         )
+        engine_kwargs.update({c.name: c.value for c in choices if c.name in ("gpu_memory_utilization",
+                                                                             "lora_target_modules")})
+        engine_kwargs.update(settings.engine_args)   # the user's vLLM flags win (engine_flags refused loractld's own)
+        args = AsyncEngineArgs(**engine_kwargs)
         try:
             # Blocking for seconds; a thread keeps the daemon's loop (signals, Status) alive.
             # The server's usage context: the batch defaults users get from `vllm serve`.
@@ -201,6 +267,8 @@ class Engine:
         compat.cache_vllm_environment()
         engine = cls(llm, settings, device, dtype, time.monotonic() - began)
         engine.kv_cache_bytes = kv_bytes or engine.kv_cache_bytes
+        engine.choices = choices
+        engine.engine_args = engine_flags.settled(args, llm.vllm_config, settings.engine_args)
         _log.info("engine up in %.1f s (vllm %s, %s, %s); context %d tokens%s, up to %d sequences a step",
                   engine.start_seconds, engine.vllm_version, device, dtype, engine.max_model_len,
                   "" if settings.max_model_len else " (the model's own, fitted to the KV cache)", engine.max_num_seqs)
@@ -288,16 +356,22 @@ class Engine:
 
     async def unpin_adapter(self, engine_id: int, *, keep_host: bool = False) -> bool:
         """Unpin in both tiers, or (``keep_host``) leave a device pin for a host pin."""
+        if self.stopped_asleep:
+            return True   # a stopped engine holds no pin (keep-alive)
         return bool((await self._llm.collective_rpc("loractl_unpin", args=(engine_id, keep_host)))[0])
 
     async def deactivate_adapter(self, engine_id: int) -> bool:
         """Leave the device slot, keep the host copy."""
+        if self.stopped_asleep:
+            return False
         left = bool((await self._llm.collective_rpc("loractl_deactivate", args=(engine_id,)))[0])
         hooks.reached("engine-deactivate")
         return left
 
     async def remove_adapter(self, engine_id: int) -> bool:
         """Drop an adapter from host and device; False if the engine did not hold it."""
+        if self.stopped_asleep:
+            return False   # a stopped engine holds nothing (keep-alive): nothing to drop
         removed = bool(await self._llm.remove_lora(engine_id))
         hooks.reached("engine-remove")
         return removed
@@ -341,3 +415,65 @@ class Engine:
         # AsyncLLM.__del__ calls shutdown() again, and when that happens at interpreter exit
         # the module globals it needs are gone (a TypeError printed on every clean stop).
         llm.shutdown = lambda *args, **kwargs: None
+
+    # -- keep-alive: sleep and wake (the policy is loractld.serving.keep_alive's) -------------
+    asleep = False              # True from the start of a sleep to the end of its wake: nothing asks the engine
+    restarted_by_sleep = False  # the last wake started a new engine (or reloaded everything): pins are gone
+    slept_as = ""               # how the engine sleeps now: "level 1", "level 2" (vLLM's sleep mode) or "stopped"
+
+    @property
+    def stopped_asleep(self) -> bool:
+        """Asleep as a full stop (the CPU): the engine holds no adapter and no pin, so dropping
+        one needs no wake; ``rm`` while asleep answers at once."""
+        return self.asleep and self._llm is None
+
+    @property
+    def has_sleep_mode(self) -> bool:
+        """vLLM's sleep mode is on for this engine (CUDA, started with ``sleep_mode``)."""
+        return self.device == "cuda" and bool(getattr(self.settings, "sleep_mode", False))
+
+    async def sleep(self, level: int = 1) -> str:
+        """Give the engine's memory back; return how ("level 1", "level 2", "stopped").
+
+        With vLLM's sleep mode (CUDA): its ``sleep(level)`` (level 1: weights to host RAM, KV
+        cache dropped; level 2: both dropped), which also empties the prefix cache. Without it
+        (the CPU): a full stop of the engine and its processes; :meth:`wake` starts a new one with
+        the same settings. The caller makes sure that no request is in the engine."""
+        self.asleep = True
+        try:
+            if self.has_sleep_mode:
+                await self._llm.sleep(level)
+                self.slept_as = f"level {level}"
+            else:
+                await asyncio.to_thread(self.shutdown)
+                self.slept_as = "stopped"
+        except BaseException:
+            self.asleep = False
+            raise
+        return self.slept_as
+
+    async def wake(self) -> str:
+        """Bring the engine back from :meth:`sleep`; return how. ``restarted_by_sleep`` says
+        whether the adapters it held are gone (a new engine, or weights reloaded after level 2)."""
+        slept_as = self.slept_as
+        if slept_as == "stopped":
+            fresh = await type(self).start(self.settings)
+            self._llm, self._journal = fresh._llm, fresh._journal
+            fresh._llm = None
+            how = f"a new engine, started in {fresh.start_seconds:.1f} s"
+            self.restarted_by_sleep = True
+        else:
+            await self._llm.wake_up()
+            self.restarted_by_sleep = slept_as == "level 2"
+            if self.restarted_by_sleep:
+                # Level 2 dropped the weights: read them again from the model's files (as vLLM's
+                # own server does after /wake_up), and the adapters with them (their device slots'
+                # contents were dropped too: every adapter leaves, the pins are applied again).
+                await self._llm.collective_rpc("reload_weights")
+                for engine_id in (await self.lora_state()).get("host", []):
+                    await self._llm.remove_lora(int(engine_id))
+            await self._llm.reset_prefix_cache()
+            how = f"from sleep mode {slept_as}"
+        self.slept_as = ""
+        self.asleep = False
+        return how

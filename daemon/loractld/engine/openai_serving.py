@@ -35,6 +35,7 @@ from typing import Any
 
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.engine import compat
+from loractld.engine.template_sandbox import TemplateSandbox
 
 _log = logging.getLogger("loractld.engine")
 
@@ -180,9 +181,13 @@ class AdmittedEngineClient:
 
     def __init__(self, engine: Any, admit: Callable, count: Callable[[Any, int], None]) -> None:
         self._engine = engine
-        self._llm = engine._llm
         self._admit = admit
         self._count = count
+
+    @property
+    def _llm(self) -> Any:
+        """The engine's ``AsyncLLM`` now: a wake after a keep-alive stop replaces it (engine.client)."""
+        return self._engine._llm
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
@@ -243,12 +248,24 @@ class OpenAISurface:
     def __init__(self, engine: Any, options: ServeOptions, admit: Callable, count: Callable,
                  served_names: list[str]) -> None:
         self._engine = engine
+        self._built_on = engine._llm
         self.client = AdmittedEngineClient(engine, admit, count)
         self._routes = compat.openai_serving(self.client, ScopedModels, served_names, engine.settings.model,
                                              options, engine.settings.chat_template)
         self._validators: dict[str, Any] = {}
         self.served_name = served_names[0]   # the base model's name, as the serving classes know it
         self._trust_profile_templates()
+        # A profile's template (or a trusted request's) renders in a child with a deadline and a
+        # memory cap, never in vLLM's renderer thread, which every other request waits on.
+        self.templates = TemplateSandbox(server_template=engine.settings.chat_template,
+                                         max_model_len=engine.max_model_len)
+        self.templates.install(self.client.renderer)
+
+    @property
+    def stale(self) -> bool:
+        """Built over an ``AsyncLLM`` the engine no longer runs (a wake after a keep-alive stop
+        started a new one): the core builds the serving classes again."""
+        return self._engine._llm is not self._built_on
 
     def _trust_profile_templates(self) -> None:
         """vLLM refuses a request's chat_template unless --trust-request-chat-template; the one a

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loractld.models.moe import expert_count
 from loractld.models.weights import base_model_shapes
 
 _log = logging.getLogger("loractld.basemodel")
@@ -24,6 +25,7 @@ class BaseModel:
     model: str                                   # what --model resolved to
     names: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[int, ...]] | None = None
+    experts: int = 0                             # routed experts per layer (models.moe); 0: a dense model
 
 
 def describe(model_arg: str, resolved: str, served_name: str | None = None) -> BaseModel:
@@ -39,9 +41,11 @@ def describe(model_arg: str, resolved: str, served_name: str | None = None) -> B
         config = folder / "config.json"
         if config.is_file():
             try:
-                name = json.loads(config.read_text()).get("_name_or_path")
+                parsed = json.loads(config.read_text())
+                name = parsed.get("_name_or_path")
                 if name:
                     info.names.add(str(name))
+                info.experts = expert_count(parsed)
             except ValueError:
                 pass
         try:
@@ -66,6 +70,7 @@ def refresh_shapes(info: BaseModel) -> None:
     if refreshed.shapes:
         info.shapes = refreshed.shapes
         info.names |= refreshed.names
+        info.experts = refreshed.experts
         _log.info("base model shapes read after the engine's download: %d weights", len(info.shapes))
 
 

@@ -50,7 +50,11 @@ class EngineStateReader:
 
     async def sync(self) -> EngineState:
         """The engine's state as read by a read that began after this call; publish what
-        changed. Concurrent callers share reads: at most one is in flight at any time."""
+        changed. Concurrent callers share reads: at most one is in flight at any time. While the
+        engine sleeps (``--keep-alive``: ``loractld.serving.keep_alive``) nothing asks it: the
+        state is the last one read."""
+        if getattr(self.engine, "asleep", False):
+            return self._last
         self._asked += 1
         ticket = self._asked
         while self._answered < ticket:
@@ -67,6 +71,16 @@ class EngineStateReader:
             self._answered = max(self._answered, covers)
         finally:
             self._read = None
+
+    async def settled(self) -> None:
+        """Return once no read is in flight (the engine is about to stop: keep_alive)."""
+        while self._read is not None:
+            await asyncio.wait({self._read})
+
+    def restart_journal(self) -> None:
+        """The engine was started afresh (a wake after a full stop): its worker's change journal
+        starts over, so the next read compares with the state last read instead."""
+        self._seq = -1
 
     def _apply(self, raw: dict) -> None:
         now = EngineState.from_worker(raw)

@@ -137,10 +137,14 @@ class Blobs:
         for digest in digests:
             self.path(digest).unlink(missing_ok=True)
 
+    def assembled_path(self, files: dict[str, str]) -> Path:
+        """Where :meth:`assemble` puts ``files``: named by their content (what a pull of it records as its ref)."""
+        key = hashlib.sha256("".join(f"{n}\0{blob_hex(d)}\n" for n, d in sorted(files.items())).encode()).hexdigest()
+        return self.root / f".assembled-{key[:32]}"
+
     def assemble(self, files: dict[str, str]) -> Path:
         """A folder holding ``files`` (name -> blob digest), named by its content, for a pull."""
-        key = hashlib.sha256("".join(f"{n}\0{blob_hex(d)}\n" for n, d in sorted(files.items())).encode()).hexdigest()
-        folder = self.root / f".assembled-{key[:32]}"
+        folder = self.assembled_path(files)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
         for name, digest in files.items():

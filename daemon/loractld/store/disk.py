@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import AdapterNotFound, DiskFull, InvalidAdapter, InvalidRequest, LoractlError
-from loractl.names import NAME_RE, validate_name
+from loractl.names import MAX_NAME_LEN, NAME_RE, validate_name
 from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
@@ -278,8 +278,9 @@ class Store:
         self.damaged[name] = why
 
     def has(self, name: str) -> bool:
-        """Whether ``name`` is a valid name with an adapter in the store (not validated)."""
-        return bool(NAME_RE.match(name)) and (self.root / name / CONFIG_FILE).exists()
+        """Whether ``name`` is a valid name with an adapter in the store (not validated): False,
+        never an OSError, for a name no adapter can have (too long for the file system)."""
+        return len(name) <= MAX_NAME_LEN and bool(NAME_RE.match(name)) and (self.root / name / CONFIG_FILE).exists()
 
     def get(self, name: str) -> StoredAdapter:
         validate_name(name)
@@ -451,13 +452,15 @@ class Store:
         # still need vLLM to reload it from disk.
         return self._load(name, entry)
 
-    def copy(self, src: str, dst: str) -> StoredAdapter:
+    def copy(self, src: str, dst: str, *, replace: bool = False) -> StoredAdapter:
         """``dst``: a new name for ``src``'s content (``loractl cp``), installed as a pull is: its
         own object, whose files are hard links to ``src``'s where the disk allows (objects are
-        never written after their install), so removing either name leaves the other whole."""
+        never written after their install), so removing either name leaves the other whole.
+        ``replace``: a pulled adapter ``dst`` is replaced, as a new revision of it."""
         adapter = self.get(src)
         validate_name(dst)
-        if (self.root / dst).exists() or (self.root / dst).is_symlink():
+        if not (replace and (self.root / dst).is_symlink()) and \
+                ((self.root / dst).exists() or (self.root / dst).is_symlink()):
             raise InvalidRequest(f"{dst!r} exists in the store", f"Remove it first (loractl rm {dst}), "
                                  "or copy to another name.")
         with self.staging() as staged:

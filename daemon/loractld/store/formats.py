@@ -43,19 +43,35 @@ class NewerFormat(LoractlError):
     default_hint = "Upgrade loractl to the release that wrote it, or start with another --home; nothing was changed."
 
 
+class UnreadableFormat(NewerFormat):
+    """A ``format`` that is no format number (``"2"``, ``2.0``, ``0``, ``true``): refused, not read as 1."""
+    kind = "unreadable_format"
+    default_hint = ("Write \"format\" as a whole number (1 for this release's layout) or restore the file; "
+                    "nothing was changed.")
+
+
 def format_of(doc: object) -> int:
     """The ``format`` a JSON document says, 1 when it says none (written before formats)."""
     value = doc.get("format", 1) if isinstance(doc, dict) else 1
     return value if isinstance(value, int) and value >= 1 else 1
 
 
-def _read_format(path: Path) -> int | None:
+_NO_FILE = object()
+
+
+def _read_format(path: Path) -> object:
+    """The ``format`` ``path`` says as written (1 when it says none); ``_NO_FILE`` when there is no file."""
     try:
-        return format_of(json.loads(path.read_text()))
+        doc = json.loads(path.read_text())
     except FileNotFoundError:
-        return None
+        return _NO_FILE
     except (OSError, ValueError):
         return 1  # unreadable: the reader of that file reports it as it always has
+    return doc.get("format", 1) if isinstance(doc, dict) else 1
+
+
+def _is_format(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_home(store_root: Path, state_file: Path) -> None:
@@ -63,8 +79,14 @@ def check_home(store_root: Path, state_file: Path) -> None:
     for what, path, readable in (("adapter store", store_root / STORE_MARKER, STORE_FORMAT),
                                  ("pins file", state_file, STATE_FORMAT)):
         found = _read_format(path)
-        if found is not None and found > readable:
-            where = path.parent if path.name == STORE_MARKER else path
+        where = path.parent if path.name == STORE_MARKER else path
+        if found is _NO_FILE:
+            continue
+        if not _is_format(found):
+            raise UnreadableFormat(f"the {what} at {where} says format {json.dumps(found)} in {path.name}, "
+                                   f"which is no format number; loractld {__version__} reads format {readable} "
+                                   "and older")
+        if found > readable:
             raise NewerFormat(f"the {what} at {where} is format {found}, written by a newer loractl; "
                               f"loractld {__version__} reads format {readable} and older")
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loractl.errors import InvalidRequest
+from loractl.names import NAME_RE
 
 INSTRUCTIONS = ("FROM", "ADAPTER", "SYSTEM", "TEMPLATE", "PARAMETER", "MESSAGE", "LICENSE")
 ROLES = ("system", "user", "assistant")
@@ -58,6 +59,8 @@ class Modelfile:
     license: list[str] = field(default_factory=list)
     # Each ADAPTER line's number, for refusals that name it (core/profile_sources.py); not content.
     adapter_lines: list[int] = field(default_factory=list, compare=False, repr=False)
+    # Each PARAMETER's (last) line, for the refusals only the daemon can make (num_ctx over the context).
+    parameter_lines: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
 
 def refused(line: int, message: str, hint: str) -> InvalidRequest:
@@ -81,6 +84,7 @@ def parse(text: str, *, require_from: bool = True) -> Modelfile:
             value = _unquoted(value, line)
             if word == "PARAMETER":
                 _set_parameter(result.parameters, key.lower(), value, line)
+                result.parameter_lines[key.lower()] = line
             else:
                 if key.lower() not in ROLES:
                     raise refused(line, f"MESSAGE role {key!r} is not one of {', '.join(ROLES)}",
@@ -119,13 +123,18 @@ _USAGE = {"FROM": "<base model, adapter or profile>", "ADAPTER": "<stored name, 
 
 
 def adapter_weight(text: str, line: int = 0) -> tuple[str, float]:
-    """``NAME[=WEIGHT]`` as (name, weight); the weight is 1 when not given."""
+    """``NAME[=WEIGHT]`` as (name, weight); the weight is 1 when not given. Spaces around ``=``
+    are allowed; after a name (no path) the weight must be a number."""
     name, sep, weight = text.rpartition("=")
     if not sep:
         return text, 1.0
+    name, weight = name.strip(), weight.strip()
     try:
         value = float(weight)
     except ValueError:
+        if NAME_RE.match(name) and "/" not in weight:
+            raise refused(line, f"adapter weight {weight!r} is not a number",
+                          f"Write ADAPTER NAME=WEIGHT with a number, e.g. ADAPTER {name}=0.5.") from None
         return text, 1.0   # an '=' inside a path, not a weight
     if not math.isfinite(value) or value == 0:
         raise refused(line, f"adapter weight {weight!r} is not a finite, non-zero number",
@@ -142,6 +151,16 @@ def checked_template(template: str, line: int = 0) -> str:
     if "{{" not in template and "{%" not in template:
         raise refused(line, "TEMPLATE has no Jinja in it: every chat would render as that fixed text",
                       "Give a Jinja chat template over messages, or leave TEMPLATE out to use the model's own.")
+    import jinja2   # the daemon's (vLLM renders with it); here, not at import: parsing needs none
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:   # as vLLM compiles a chat template (loopcontrols: {% break %}), so each request need not fail
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        at = line + (e.lineno or 1) - 1 if line else 0
+        raise refused(at, f"TEMPLATE is not valid Jinja: {e.message}",
+                      "Fix the template (every {{ needs its }}, every {% if %} its {% endif %}), or leave TEMPLATE "
+                      "out to use the model's own.") from None
     return template
 
 
@@ -155,11 +174,37 @@ def _set_parameter(parameters: dict, name: str, value: str, line: int) -> None:
         raise refused(line, f"unknown or unsupported PARAMETER {name!r}", _PARAMETER_HINT)
     kind = PARAMETERS[name][0]
     if name == "stop":
+        if not value:
+            raise refused(line, "PARAMETER stop is empty: every request would be refused (vLLM takes no empty stop)",
+                          'Give the text that ends an answer, e.g. PARAMETER stop ";".')
         parameters.setdefault("stop", []).append(value)
         return
-    parameters[name] = _number(value, kind, name, line)
-    if name == "num_predict" and parameters[name] < -2:
+    number = _number(value, kind, name, line)
+    if name == "num_predict" and number < -2:
         raise refused(line, f"num_predict {value} is not a number of tokens", "Use a count, or -1 for no limit.")
+    ok, wanted = BOUNDS.get(name, (None, ""))
+    if ok is not None and not ok(number):
+        raise refused(line, f"PARAMETER {name} {value.strip()} is out of range: every request would be refused",
+                      f"{name} takes {wanted}.")
+    parameters[name] = number
+
+
+# Each parameter's range as vLLM's SamplingParams (0.32) and the protocol (int32 max_tokens,
+# int64 seed) take it, refused at create rather than at every request that uses the profile.
+# The context bounds num_predict and num_ctx further, checked where it is known (Core.create).
+BOUNDS: dict[str, tuple[Any, str]] = {
+    "temperature": (lambda v: 0 <= v <= 2, "a number from 0 to 2"),
+    "top_p": (lambda v: 0 < v <= 1, "a number above 0, at most 1"),
+    "top_k": (lambda v: v >= -1, "a count of tokens, or 0 (or -1) for no limit"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number from 0 to 1"),
+    "seed": (lambda v: -(1 << 63) <= v < 1 << 63, "a whole number that fits 64 bits"),
+    "num_predict": (lambda v: v in (-1, -2) or 1 <= v < 1 << 31, "a count of tokens from 1, or -1 for no limit"),
+    "repeat_penalty": (lambda v: v > 0, "a number above 0 (1 is none)"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "a number from -2 to 2"),
+    "num_ctx": (lambda v: v >= 1, "a count of tokens from 1"),
+    "repeat_last_n": (lambda v: v >= -1, "a count of tokens, 0 or -1"),
+}
 
 
 def _number(value: str, kind: type, name: str, line: int) -> int | float:

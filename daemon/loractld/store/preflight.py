@@ -14,8 +14,8 @@ Invariants:
 - A refusal is remembered (``refusal``) and repeated without asking the engine again; so is
   a failure of the engine to load the content inside a step (``Engine.broken``), which the
   worker survives (see worker_ext._guarded_load).
-- With no engine attached yet, ``check`` passes without recording anything: the first use
-  after the engine is up checks.
+- With no engine attached yet, or the engine asleep (``--keep-alive``), ``check`` passes without
+  recording anything: the first use after the engine is up checks.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class Preflight:
         self._running: dict[str, asyncio.Future] = {}
         self.timings_ms: list[float] = []   # each run's cost, for the log and the tests
 
+    @property
+    def running(self) -> int:
+        """Preflights in flight now (the engine must not fall asleep under them: keep_alive)."""
+        return len(self._running)
+
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
@@ -60,8 +65,8 @@ class Preflight:
             raise self._refused[digest]
         if digest in self._passed:
             return
-        if self.engine is None:
-            return
+        if self.engine is None or getattr(self.engine, "asleep", False):
+            return   # no engine yet, or asleep (--keep-alive): the first use once it is up checks
         running = self._running.get(digest)
         if running is None:
             running = asyncio.ensure_future(self._run(self.engine, path, digest, label))

@@ -55,6 +55,9 @@ class Profile:
     messages: list[dict[str, str]] = field(default_factory=list)
     license: list[str] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    # The Ollama name it was created under where its store name cannot say it (``org/m:v1``, stored
+    # as ``org/m-v1``: a name has one ``/``); "" otherwise. What /api/tags lists it as.
+    listed_as: str = ""
 
     def modelfile(self) -> Modelfile:
         return Modelfile(base=self.base, adapters=[(n, w) for n, w in self.adapters], system=self.system,
@@ -66,7 +69,10 @@ class Profile:
         return render(self.modelfile(), header=HEADER)
 
     def to_json(self) -> dict:
-        return {"format": PROFILE_FORMAT, **asdict(self), "modelfile": self.modelfile_text()}
+        doc = asdict(self)
+        if not doc["listed_as"]:
+            del doc["listed_as"]   # the file as this release wrote it before
+        return {"format": PROFILE_FORMAT, **doc, "modelfile": self.modelfile_text()}
 
     @classmethod
     def from_json(cls, doc: dict) -> Profile:
@@ -139,8 +145,10 @@ class Profiles:
         return sorted(self._loaded().values(), key=lambda p: p.name)
 
     def users_of(self, adapter: str) -> list[str]:
-        """The profiles that run ``adapter``."""
-        return [p.name for p in self.list() if p.adapter == adapter]
+        """The profiles that run ``adapter``, or were made of it (FROM it, or an ADAPTER line of a
+        weighted profile, whose merge a create makes again from it)."""
+        return [p.name for p in self.list()
+                if p.adapter == adapter or p.base == adapter or any(n == adapter for n, _ in p.adapters)]
 
     def check_writable(self, name: str) -> None:
         """Refuse ``name`` when a newer release's profile holds it (that file is never overwritten)."""

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loractl.errors import InvalidAdapter
+from loractl.errors import InvalidAdapter, InvalidRequest
 from loractl.names import validate_name
 from loractld.store.sources import (AdapterSource, PullCancelled, Resolved, git_blob_sha1, pick_source, sha256_file)
 from loractld.store.disk import StoredAdapter, Store, files_digest
@@ -59,6 +59,9 @@ class Puller:
         self.validate = validate
         self.preflight = preflight
         self._locks: dict[str, asyncio.Lock] = {}
+        # What else holds a name, in words ("profile 'x'"), or None: adapters and profiles share
+        # one name space (the catalog sets it; asked under the name's lock, as a create asks the store).
+        self.other_holder: Callable[[str], str | None] = lambda name: None
 
     async def pull(self, ref: str, *, name: str = "", revision: str = "", force: bool = False,
                    token: str | None = None, endpoint: str | None = None,
@@ -75,12 +78,22 @@ class Puller:
         name = name or resolved.default_name
         lock = self.lock(name)
         async with lock:
+            other = self.other_holder(name)
+            if other is not None:
+                raise InvalidRequest(f"{name!r} is taken: {other} has that name",
+                                     "Pull under another --name (adapters and profiles share one name space; "
+                                     "loractl ls lists them).")
             current = self._current(name)
             if current and current.manifest.get("ref") == resolved.ref and \
                     current.manifest.get("revision") == resolved.revision:
                 yield PullEvent("up_to_date", message=f"{name} is up to date at {resolved.revision[:12]}",
                                 adapter=current)
                 return
+            if current is not None and not current.hand_placed and not force and not same_source(current, resolved):
+                # A new revision of the same source is an update; another source is another adapter.
+                raise InvalidRequest(f"{name!r} is taken: it holds {origin(current)}, not {resolved.ref}",
+                                     f"Pull under another --name, or replace it with --force "
+                                     f"(loractl show {name} says what it is).")
             self.store.check_free_space(resolved.total_bytes)
             async for event in self._run(source, resolved, name, force, token, endpoint, current, installed):
                 yield event
@@ -164,6 +177,26 @@ class Puller:
         if installed is not None:
             await installed(event)
         yield event
+
+
+def same_source(current: StoredAdapter, resolved: Resolved) -> bool:
+    """Whether ``resolved`` is (a revision of) where ``current`` was pulled from."""
+    return not current.hand_placed and current.manifest.get("source") == resolved.source and \
+        current.manifest.get("ref") == resolved.ref
+
+
+def origin(adapter: StoredAdapter) -> str:
+    """Where a stored adapter came from, in words: "the adapter pulled from /x", "the merge of a=0.5 b=0.5"."""
+    manifest = adapter.manifest
+    if adapter.hand_placed:
+        return f"an adapter placed by hand in {adapter.path}"
+    if "damaged" in manifest:
+        return "a damaged adapter"
+    if manifest.get("copied_from"):
+        return f"a copy of {manifest['copied_from']}"
+    if manifest.get("source") == "merge":
+        return f"the merge of {manifest.get('ref', '')}"
+    return f"the adapter pulled from {manifest.get('ref', '?')}"
 
 
 def installed_records(folder: Path, records: list[dict]) -> list[dict]:

@@ -83,11 +83,14 @@ def validate_adapter(
     model_names: set[str] | None = None,
     force: bool = False,
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
+    base_experts: int = 0,
 ) -> AdapterFacts:
     """Check an adapter folder; return its facts or raise :class:`InvalidAdapter`.
 
     ``base_shapes`` (weight name -> shape) enables the module and shape checks;
-    ``model_names`` enables the base-model check, which ``force`` skips.
+    ``model_names`` enables the base-model check, which ``force`` skips; ``base_experts`` (the
+    base's routed experts per layer, 0 for a dense model) refuses adapters that train them
+    (``models.moe``).
     """
     config = read_config(folder)
     peft_type = str(config.get("peft_type", "")).upper()
@@ -119,6 +122,8 @@ def validate_adapter(
         )
     tensors = read_safetensors_header(weights)
     _refuse_unnormalized_keys(list(tensors))
+    if base_experts:
+        _refuse_expert_targets(tensors, config, base_experts)
     modules = _check_tensors(tensors, ranks, base_shapes)
     semantics.Targets.of(config).check(tensors, base_shapes)
     semantics.check_scalings(config, ranks)
@@ -126,6 +131,20 @@ def validate_adapter(
     alpha = config.get("lora_alpha", ranks.r)
     return AdapterFacts(rank=ranks.largest, alpha=float(alpha) if isinstance(alpha, (int, float)) else float(ranks.r),
                         target_modules=sorted(modules), base_model=base)
+
+
+def _refuse_expert_targets(tensors: dict[str, TensorInfo], config: dict, experts: int) -> None:
+    from loractld.models.moe import expert_targets
+
+    modules = {m["module"] for m in (LORA_KEY.match(name) for name in tensors) if m}
+    trained = expert_targets(modules, config)
+    if trained:
+        raise InvalidAdapter(
+            f"the adapter trains the experts of this mixture-of-experts base ({experts} experts a layer; "
+            f"{trained[0]}{f' and {len(trained) - 1} more' if len(trained) > 1 else ''}): loractl serves adapters "
+            "on its attention and dense layers only (no CPU kernel runs expert LoRA, and on a GPU loractl "
+            "does not check expert shapes yet)",
+            "Use an adapter trained on the attention projections (PEFT target_modules q_proj, k_proj, v_proj, o_proj).")
 
 
 def _refuse_unnormalized_keys(keys: list[str]) -> None:

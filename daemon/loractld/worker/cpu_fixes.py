@@ -15,6 +15,9 @@
    step's one-adapter-per-request ``sampler_indices``; vLLM's ops then die (einsum shapes)
    and loractl's gave prompt rows another request's ``lm_head`` delta, or none (issue 46).
    ``with_prompt_rows`` tells ``add_lora_logits`` which step tokens those rows are.
+4. A mixture-of-experts base with LoRA on: vLLM then always picks Triton's MoE experts, which the
+   CPU has not (the engine died at the first request); ``select_backend_without_expert_lora``
+   lets it pick the CPU's own, as LoRA stays off the experts on the CPU (``models.moe``).
 
 The worker runs in a process vLLM spawns, so the fixes are installed by loractl's
 ``vllm.general_plugins`` entry point (``vllm_plugin``), only when ``LORACTL_VLLM_CPU_FIXES=1``
@@ -266,8 +269,42 @@ def install_prompt_logits() -> list[str]:
     return patched
 
 
+# -- a mixture-of-experts base with LoRA on -------------------------------------------------
+def select_backend_without_expert_lora(select: Callable) -> Callable:
+    """Wrap vLLM's unquantized MoE backend choice so that LoRA being on does not force Triton's
+    experts: on the CPU no Triton runs (the first request died with ``triton.language has no
+    attribute float32``), and loractld keeps LoRA off the experts there (``models.moe``: the
+    engine's ``lora_target_modules`` leave the fused-MoE layer out), so the CPU's own MoE
+    kernel is the right one."""
+    import dataclasses
+
+    def select_unquantized_moe_backend(moe_config, *args, **kwargs):
+        if getattr(moe_config, "is_lora_enabled", False):
+            moe_config = dataclasses.replace(moe_config, is_lora_enabled=False)
+        return select(moe_config, *args, **kwargs)
+
+    select_unquantized_moe_backend.loractl_cpu_moe = True
+    return select_unquantized_moe_backend
+
+
+def install_moe_backend() -> list[str]:
+    """The MoE backend choice without expert LoRA, at the seam's targets (a vLLM without this
+    path, other than the 0.32 CPU wheel, is left alone)."""
+    patched = []
+    try:
+        found = vllm_seam.targets("cpu_moe_backend")
+    except (ImportError, AttributeError):
+        return patched
+    for module, name in found:
+        current = getattr(module, name)
+        if not getattr(current, "loractl_cpu_moe", False):
+            setattr(module, name, select_backend_without_expert_lora(current))
+            patched.append(f"{module.__name__}.{name}")
+    return patched
+
+
 def install() -> None:
-    """Install both fixes in this process."""
+    """Install the fixes in this process."""
     amx = init_amx()
-    patched = install_lora_ops() + install_prompt_logits()
+    patched = install_lora_ops() + install_prompt_logits() + install_moe_backend()
     _log.info("loractl CPU fixes installed (amx=%s, patched %d ops)", amx, len(patched))

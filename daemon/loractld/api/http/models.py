@@ -33,7 +33,9 @@ _OWN_FIELDS = ("tier", "pinned", "pin", "slot", "last_used", "requests", "state"
 async def list_models(core: Core) -> dict:
     adapters = await core.list_adapters()
     profiles = await core.list_profiles()
-    return {"object": "list", "data": [_base_card(core)] + [_adapter_card(core, a) for a in adapters]
+    owned = core.owned_adapters()   # a weighted profile's merge is listed as that profile only
+    return {"object": "list", "data": [_base_card(core)] + [_adapter_card(core, a) for a in adapters
+                                                             if a.name not in owned]
             + [_profile_card(core, p) for p in profiles]}
 
 

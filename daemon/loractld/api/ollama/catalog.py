@@ -130,13 +130,18 @@ class Catalog:
         models = [self._entry(self.base_name, facts.size, self._base_digest(), iso(facts.modified or
                                                                                self.core.started_wall),
                               self.details(facts, None))]
+        owned = self.core.owned_adapters()   # a weighted profile's merge is listed as that profile only
         for a in adapters:
+            if a.name in owned:
+                continue
             models.append(self._entry(listed_name(a.name, stored), a.size_bytes, digest(a), iso(a.pulled_at),
                                       self.details(facts, a)))
         by_name = {a.name: a for a in adapters}
         for p in profiles:
             runs = by_name.get(p.profile.adapter)
-            models.append(self._entry(listed_name(p.name, stored), runs.size_bytes if runs else facts.size,
+            made = self.core.profile_of(p.name)
+            listed = (made.listed_as if made is not None else "") or listed_name(p.name, stored)
+            models.append(self._entry(listed, runs.size_bytes if runs else facts.size,
                                       profile_digest(p), iso(p.pulled_at), self.profile_details(facts, p, stored)))
         return {"models": models}
 

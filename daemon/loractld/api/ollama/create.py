@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loractld.api.http.errors import HttpError
-from loractld.api.ollama.generation import not_found
+from loractld.api.ollama.generation import checked_name, not_found
 from loractld.api.ollama.names import LATEST, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line
@@ -49,12 +49,25 @@ _HINT = ("Send the daemon's API key (--api-key-file), or call as root, the daemo
 
 
 def store_name(name: str) -> str:
-    """An Ollama model name as loractl names a profile: ``x:latest`` -> ``x``, ``x:v1`` -> ``x/v1``."""
+    """An Ollama model name as loractl names a profile: ``x:latest`` -> ``x``, ``x:v1`` -> ``x/v1``,
+    ``org/m:v1`` -> ``org/m-v1`` (a name has one ``/``: the tag is kept, ``names.candidates`` maps it back)."""
     name = name.strip().lower()
     model, colon, tag = name.rpartition(":")
     if not colon:
         return name
-    return model if tag == LATEST or "/" in model else f"{model}/{tag}"
+    if tag == LATEST:
+        return model
+    return f"{model}-{tag}" if "/" in model else f"{model}/{tag}"
+
+
+def listed_as(name: str) -> str:
+    """The Ollama name a namespaced model is listed under (``org/m`` -> ``org/m:latest``); "" for
+    one whose store name lists it already (``x:v1``, stored as ``x/v1``)."""
+    name = name.strip().lower()
+    model, colon, tag = name.rpartition(":")
+    if not colon:
+        model, tag = name, LATEST
+    return f"{model}:{tag}" if "/" in model else ""
 
 
 class CreateDoor:
@@ -109,6 +122,8 @@ class CreateDoor:
         source, destination = req.get("source"), req.get("destination")
         if not isinstance(source, str) or not source or not isinstance(destination, str) or not destination:
             raise refusal("source and destination are required", "Send {\"source\": ..., \"destination\": ...}.")
+        checked_name(self.core, source, "source")   # before the store is asked (a 300-character name)
+        checked_name(self.core, destination, "destination")
         target = await self._target(source)
         if target is None:
             raise refusal(f"{source!r} is the base model: it cannot be copied", "Copy an adapter or a profile; or "
@@ -116,7 +131,7 @@ class CreateDoor:
                           param="source")
         async with policy.authorized(caller, self.core.socket_gid, "copy", f"{target} to {store_name(destination)}",
                                      refusal="copy models over HTTP", hint=_HINT):
-            await self.core.copy(target, store_name(destination))
+            await self.core.copy(target, store_name(destination), listed_as=listed_as(destination))
         return Response(status_code=200)
 
     async def _target(self, name: str) -> str | None:
@@ -132,13 +147,14 @@ class CreateDoor:
     async def create(self, caller: policy.Caller, req: dict) -> AsyncIterator[dict]:
         """The create's status lines (its refusals before the first: a 4xx, not a 200 with an error line)."""
         name, modelfile, files = await self._checked(req)
-        return self._create_lines(caller, name, modelfile, files)
+        return self._create_lines(caller, name, modelfile, files, listed_as(req.get("model") or req.get("name")))
 
     async def _checked(self, req: dict) -> tuple[str, Modelfile, dict[str, str]]:
         """(profile name, its Modelfile, the adapter's files by blob digest), or a 4xx before any line."""
         model = req.get("model") or req.get("name")
         if not isinstance(model, str) or not model.strip():
             raise refusal("model is required", "Name the model to create.", param="model")
+        checked_name(self.core, model)   # before the store is asked (a 300-character name)
         if req.get("quantize"):
             raise refusal("quantize is not served: loractl serves its base model as the daemon loaded it",
                           "Leave quantize out (loractld --dtype and --quantization choose the engine's weights).",
@@ -171,12 +187,18 @@ class CreateDoor:
         if source is None and not files:
             raise refusal("from is required", "Name the base model, an adapter or a profile (GET /api/tags).",
                           param="from")
-        base = await self._target(source) if source else None
+        base = await self._target(checked_name(self.core, source, "from")) if source else None
         name = store_name(model)
         catalog = await self.core._wait_catalog()
         if await asyncio.to_thread(catalog.store.has, name):
             raise refusal(f"{model!r} is an adapter in the store", "Create the model under another name (adapters "
                           "and models made of them share one name space).", param="model")
+        if files:   # what an earlier create of this model pulled from other files is not replaced unasked
+            held = await asyncio.to_thread(_pulled_from, catalog.store, f"{name}-adapter")
+            if held is not None and held != str(blobs.assembled_path(files)):
+                raise refusal(f"{model!r} is taken: its adapter {name}-adapter holds other files",
+                              f"Create the model under another name, or delete it first (DELETE /api/delete, "
+                              f"loractl rm {name}; then loractl rm {name}-adapter).", param="model")
         parameters, messages, license = req.get("parameters") or {}, req.get("messages") or [], req.get("license") or []
         if not isinstance(parameters, dict) or not isinstance(messages, list) or \
                 not all(isinstance(m, dict) for m in messages):
@@ -189,10 +211,11 @@ class CreateDoor:
         modelfile = combined(base=base or self.core.served_model_name, adapters=[f"{name}-adapter"] if files else [],
                              system=req.get("system"), template=req.get("template"), parameters=settings,
                              messages=messages, license=[license] if isinstance(license, str) else list(license))
+        await self.core.check_create(name, modelfile)   # a taken name: a 400, before the first status line
         return name, modelfile, files
 
     async def _create_lines(self, caller: policy.Caller, name: str, modelfile: Modelfile,
-                            files: dict[str, str]) -> AsyncIterator[dict]:
+                            files: dict[str, str], listed: str = "") -> AsyncIterator[dict]:
         async with policy.authorized(caller, self.core.socket_gid, "create", name,
                                      refusal="create models over HTTP", hint=_HINT):
             # The create that fails after the blobs' adapter was installed takes it back out.
@@ -201,7 +224,7 @@ class CreateDoor:
                     async for line in self._install(pulls, modelfile.adapters[-1][0], files):
                         yield line
                 yield {"status": "writing manifest"}
-                await self.core.create(name, modelfile, caller=caller)
+                await self.core.create(name, modelfile, caller=caller, listed_as=listed)
             if files:
                 blobs = await self.blobs()
                 await asyncio.to_thread(blobs.remove, list(files.values()))   # their content is in the store now
@@ -231,3 +254,13 @@ def _hex(digest: str) -> str:
         raise refusal(str(e.args[0] if e.args else e), "Name a blob as sha256:<64 hex digits>.",
                       param="digest") from None
 
+
+
+def _pulled_from(store, name: str) -> str | None:
+    """The ref the adapter ``name`` was pulled from; None when no adapter has that name."""
+    if not store.has(name):
+        return None
+    try:
+        return str(store.get(name).manifest.get("ref", ""))
+    except Exception:  # noqa: BLE001 - damaged: taken all the same
+        return ""

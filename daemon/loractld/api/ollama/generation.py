@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from loractl.names import MAX_NAME_LEN
 from loractld.api.http.errors import HttpError
 from loractld.api.ollama.errors import line
 from loractld.api.ollama.names import Target, listed_name, resolve
@@ -74,9 +75,7 @@ class Generation:
 
     async def target(self, req: dict) -> tuple[str, Target]:
         """The model a request names; 404 in Ollama's words when none."""
-        name = req.get("model")
-        if not isinstance(name, str) or not name:
-            raise refusal("model is required", "Name a model: GET /api/tags lists them.", param="model")
+        name = checked_name(self.core, req.get("model"))   # before the store is asked (a 300-character name)
         catalog = self.core.catalog
         if catalog is None:
             raise HttpError(503, "the daemon is starting", "Retry in a moment (loractl status --wait waits).",
@@ -143,6 +142,26 @@ async def _lines(stream: Stream, chunks: AsyncIterator[dict], effect: KeepAliveE
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+# The longest model name a request may give: a store name's longest (loractl.names.MAX_NAME_LEN)
+# written as Ollama's Hub integration writes it (https://huggingface.co/ORG/REPO:REVISION).
+MAX_MODEL_NAME = MAX_NAME_LEN + 96
+
+
+def checked_name(core: Core, name: object, param: str = "model") -> str:
+    """``name`` if it may name a model, else a 400 that says why, before any store is asked."""
+    if not isinstance(name, str) or not name.strip():
+        raise refusal(f"{param} is required", "Name a model: GET /api/tags lists them.", param=param)
+    if name in core.base_model_names():
+        return name
+    if len(name) > MAX_MODEL_NAME or not name.isprintable():
+        what = f"{len(name)} characters long" if len(name) > MAX_MODEL_NAME else "not printable text"
+        raise refusal(f"{param} {name[:40]!r}... is {what}: no model has such a name" if len(name) > 40 else
+                      f"{param} {name!r} is {what}: no model has such a name",
+                      f"Name a model GET /api/tags lists (e.g. sql-expert:v1): names are at most {MAX_NAME_LEN} "
+                      "lowercase letters, digits, '.', '_' and '-', with at most one '/'.", param=param)
+    return name
 
 
 async def not_found(core: Core, name: str) -> HttpError:

@@ -71,6 +71,8 @@ def candidates(name: str) -> list[str]:
     found = [f"{model}/{tag}"] if "/" not in model else []
     if tag == LATEST:
         found.append(model)
+    elif "/" in model:
+        found.append(f"{model}-{tag}")   # org/m:v1, created as the profile org/m-v1 (one '/' in a name)
     return found
 
 

@@ -22,7 +22,7 @@ from loractld.api.ollama.catalog import Catalog
 from loractld.api.ollama.create import CREATE_FIELDS, CreateDoor
 from loractld.api.ollama.dicts import DictDoor
 from loractld.api.ollama.errors import line
-from loractld.api.ollama.generation import NDJSON, Generation, OpenAIDoor, not_found
+from loractld.api.ollama.generation import NDJSON, Generation, OpenAIDoor, checked_name, not_found
 from loractld.api.ollama.names import candidates, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line, pull_ref
@@ -61,10 +61,7 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
         return req
 
     def model_of(req: dict) -> str:
-        name = req.get("model") or req.get("name")   # older clients say name
-        if not isinstance(name, str) or not name:
-            raise refusal("model is required", "Name a model: GET /api/tags lists them.", param="model")
-        return name
+        return checked_name(core, req.get("model") or req.get("name"))   # older clients say name
 
     async def stored_target(name: str):
         adapters = await core.list_adapters()
@@ -149,13 +146,19 @@ def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAID
     @app.delete("/api/delete")
     async def delete(request: Request) -> Response:
         name = model_of(await body(request, {"model", "name"}))
-        target, _ = await stored_target(name)
-        if target.adapter is None:
-            raise refusal(f"{name!r} is the base model: it cannot be deleted", "Delete an adapter (GET /api/tags).",
-                          param="model")
-        async with policy.authorized(await caller(request), core.socket_gid, "rm", target.adapter,
+        # A profile /api/tags lists is deleted as loractl rm deletes it (with its own merge).
+        profile = core.profile_of(next((c for c in candidates(name.strip().lower()) if core.profile_of(c)), ""))
+        if profile is not None:
+            removed = profile.name
+        else:
+            target, _ = await stored_target(name)
+            if target.adapter is None:
+                raise refusal(f"{name!r} is the base model: it cannot be deleted", "Delete an adapter or a profile "
+                              "(GET /api/tags).", param="model")
+            removed = target.adapter
+        async with policy.authorized(await caller(request), core.socket_gid, "rm", removed,
                                      refusal="delete adapters over HTTP", hint=_OWNER_HINT):
-            await core.remove(target.adapter)
+            await core.remove(removed)
         return Response(status_code=200)
 
 
