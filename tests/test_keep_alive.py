@@ -18,7 +18,7 @@ import pytest
 from conftest import collect, own_daemon, run_cli
 from loractld.serving import keep_alive as ka
 
-KEEP_ALIVE_S = 3.0
+KEEP_ALIVE_S = 5.0
 NAMES = ["sql-expert/v1", "python-expert/v1"]
 PROMPT = "Write a query that lists every user"
 TOKENS = 12
@@ -89,6 +89,7 @@ def test_idle_engine_stops_and_the_next_request_wakes_it(sleepy, demo, reference
     expected = {name: reference.greedy(reference.chat_ids(PROMPT), demo / "adapters" / name, TOKENS, TOKENS)
                 for name in NAMES}
     expected[None] = reference.greedy(reference.chat_ids(PROMPT), None, TOKENS, TOKENS)
+    cli_expected = reference.greedy(reference.chat_ids(PROMPT), demo / "adapters" / NAMES[1], 24)  # to EOS, as vLLM
     assert generate(d, NAMES[0])["ids"] == expected[NAMES[0]]
     idle_from = time.monotonic()
     awake = status(d)
@@ -147,19 +148,19 @@ def test_idle_engine_stops_and_the_next_request_wakes_it(sleepy, demo, reference
     print(f"the request that woke the engine took {woke:.1f} s")
     assert ran.returncode == 0, ran.stderr
     assert "waking the engine" in ran.stderr
-    cli_expected = reference.greedy(reference.chat_ids(PROMPT), demo / "adapters" / NAMES[1], 24)  # to EOS, as vLLM
     assert ran.stdout == reference.text(cli_expected) + "\n"
     assert generate(d, NAMES[1])["ids"] == expected[NAMES[1]]
     assert generate(d, None)["ids"] == expected[None]
     assert generate(d, NAMES[0])["ids"] == expected[NAMES[0]]
+    assert tree_rss(d.proc.pid) > rss_asleep + 150 * 2**20   # the engine core is back
     assert status(d)["state"] == "ready"
     after = listing(d)
     assert (after[NAMES[0]]["tier"], after[NAMES[0]]["pin"]) == ("device", "device")
     assert after[NAMES[1]]["pin"] == "host" and after[NAMES[1]]["tier"] in ("host", "device")
     metrics = run_cli("metrics", "--socket", str(d.socket)).stdout
     assert metric(metrics, "loractl_engine_asleep") == 0
-    assert metric(metrics, "loractl_engine_wakes_total") == wakes + 1
-    assert tree_rss(d.proc.pid) > rss_asleep + 150 * 2**20
+    # At least this wake (on a loaded machine the engine may have slept and woken again since).
+    assert metric(metrics, "loractl_engine_wakes_total") >= wakes + 1
 
 
 def test_request_arriving_while_falling_asleep_is_served(sleepy, demo, reference):

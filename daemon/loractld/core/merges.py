@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
-from loractl.errors import InvalidRequest
+from loractl.errors import Cancelled, InvalidRequest
 from loractl.names import validate_name
 from loractld.core import policy
 from loractld.store.disk import files_digest
@@ -76,17 +77,32 @@ class MergeOps:
             adapter = await asyncio.to_thread(self._stored_or_close, catalog, source)   # AdapterNotFound, damaged
             stored.append((files_digest(adapter.manifest["files"]), float(weight), adapter))
         stored.sort(key=lambda s: (s[0], s[1]))   # the content does not depend on the order given
+        stop = threading.Event()
         with self._tracked("the daemon is shutting down; the merge was stopped (nothing was installed)"):
-            # Runs to its end once started (its lock held until then): an install is announced
-            # whoever waits for it.
-            adapter = await self._after_installs(self._make(catalog, name, stored, method, svd_rank,
-                                                            engine.settings.max_lora_rank, force))
+            # Once started it holds its name's lock to its end, and an install is announced whoever
+            # waits for it. A caller that leaves (Ctrl-C: the stream reset cancels this task) stops
+            # it at its next source or module, before the install: nothing is left. One that leaves
+            # after the install point gets the merge completed, and the audit says ok.
+            made = asyncio.ensure_future(self._make(catalog, name, stored, method, svd_rank,
+                                                    engine.settings.max_lora_rank, force, stop))
+            try:
+                adapter = await self._after_installs(made)
+            except asyncio.CancelledError:
+                stop.set()
+                await asyncio.wait({made})   # the thread's next check, or the install's end
+                if made.cancelled() or made.exception() is not None:
+                    _log.info("merge %s cancelled by its caller: nothing was installed", name)
+                    raise
+                adapter = made.result()
+                _log.info("merge %s completed after its caller left", name)
         state = await self.tiers.sync() if self.tiers else None
         return self._described(catalog, adapter, state)
 
     async def _make(self, catalog: Catalog, name: str, stored: list, method: str, svd_rank: int | None,
-                    max_lora_rank: int, force: bool = False) -> StoredAdapter:
+                    max_lora_rank: int, force: bool = False,
+                    stop: threading.Event | None = None) -> StoredAdapter:
         loop = asyncio.get_running_loop()
+        stop = stop or threading.Event()
         async with catalog.puller.lock(name), contextlib.AsyncExitStack() as leases:
             other = catalog.puller.other_holder(name)   # under the name's lock, as a create asks the store
             if other is not None:
@@ -106,7 +122,8 @@ class MergeOps:
             def work() -> StoredAdapter | None:
                 with catalog.store.staging() as staged:
                     report = merge_adapters([(a.path, w) for _, w, a in stored], staged, max_lora_rank=max_lora_rank,
-                                            method=method, svd_rank=svd_rank, labels=[a.name for _, _, a in stored])
+                                            method=method, svd_rank=svd_rank, labels=[a.name for _, _, a in stored],
+                                            stopped=stop.is_set)
                     records = installed_records(staged, [{"name": CONFIG_FILE}, {"name": WEIGHTS_FILE}])
                     digest = files_digest(records)
                     if current is not None and current.manifest.get("files") and \
@@ -122,6 +139,8 @@ class MergeOps:
                         "base_model": facts.base_model, "rank": facts.rank, "alpha": facts.alpha,
                         "target_modules": facts.target_modules, "forced": False, "merge": merged,
                     }
+                    if stop.is_set():   # the last point where nothing is left behind
+                        raise Cancelled("the merge was cancelled: nothing was installed", "Run it again.")
                     return catalog.store.install(name, staged, manifest)
 
             adapter = await loop.run_in_executor(None, work)

@@ -54,13 +54,25 @@ def _vm_size() -> int:
 
 def template_variables(template: str) -> list[str]:
     """The template's undeclared variables, as vLLM's ``resolve_chat_template_kwargs`` finds
-    them (Jinja's code generator folds constants: ``"a" * 400000000`` is built here, not in the
-    daemon)."""
+    them: parsed in the environment vLLM parses it in (its options, ``{% generation %}`` and
+    loop controls), then Jinja's code generator, which folds constants (``"a" * 400000000`` is
+    built here, under the cap, not in the daemon)."""
+    import jinja2.ext
     import jinja2.meta
-    from transformers.utils import chat_template_utils
+    import jinja2.nodes
+    import jinja2.sandbox
 
-    compiled = chat_template_utils._compile_jinja_template(template)
-    return sorted(jinja2.meta.find_undeclared_variables(compiled.environment.parse(template)))
+    class Generation(jinja2.ext.Extension):   # vLLM's AssistantTracker, as far as parsing goes
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    return sorted(jinja2.meta.find_undeclared_variables(env.parse(template)))
 
 
 def render(request: dict) -> str:

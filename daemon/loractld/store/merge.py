@@ -35,13 +35,15 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loractl.errors import InvalidAdapter, InvalidRequest
+from loractl.errors import Cancelled, InvalidAdapter, InvalidRequest
 from loractld.models.weights import read_safetensors_header
 from loractld.store.peft import CONFIG_FILE, EMBEDDING_KEY, LORA_KEY, WEIGHTS_FILE, Ranks, next_supported_rank
 from loractld.store.validate import model_names_match, read_config
+from loractld.worker import hooks
 
 METHODS = ("cat", "svd")
 PREFIX = "base_model.model."
@@ -86,15 +88,26 @@ class _Source:
 
 
 def merge_adapters(sources: list[tuple[Path, float]], dest: Path, *, max_lora_rank: int, method: str = "cat",
-                   svd_rank: int | None = None, labels: list[str] | None = None) -> MergeReport:
+                   svd_rank: int | None = None, labels: list[str] | None = None,
+                   stopped: Callable[[], bool] | None = None) -> MergeReport:
     """Write into ``dest`` (an existing, empty folder) the merge of ``sources`` ((folder, weight)
-    pairs, in order); ``labels`` name the sources in refusals (their store names), else their folders."""
+    pairs, in order); ``labels`` name the sources in refusals (their store names), else their folders.
+    ``stopped`` is asked between sources and between modules: True raises :class:`Cancelled`
+    (its caller left), ``dest`` written no further."""
     import numpy as np
+
+    def check() -> None:
+        hooks.reached("merge-step")
+        if stopped is not None and stopped():
+            raise Cancelled("the merge was cancelled: nothing was installed", "Run it again.")
 
     labels = labels or [str(p) for p, _ in sources]
     weights = [float(w) for _, w in sources]
     _check_request(sources, weights, method, svd_rank, max_lora_rank)
-    loaded = [_load(path, label) for (path, _), label in zip(sources, labels)]
+    loaded = []
+    for (path, _), label in zip(sources, labels):
+        check()
+        loaded.append(_load(path, label))
     base = _common_base(loaded)
     fan_in_fan_out = {bool(s.config.get("fan_in_fan_out")) for s in loaded}
     if len(fan_in_fan_out) > 1:
@@ -112,16 +125,19 @@ def merge_adapters(sources: list[tuple[Path, float]], dest: Path, *, max_lora_ra
         if rank > max_lora_rank:
             raise _too_big(loaded, sums, rank, max_lora_rank)
         for module in modules:
+            check()
             a, b = _concatenated(np, module, loaded, weights, scales, rank)
             tensors.update(_keys(module, loaded, a, b))
     else:
         rank = report.rank = svd_rank
         residual = total = 0.0
         for module in modules:
+            check()
             a, b, lost, whole = _truncated(np, module, loaded, weights, scales, svd_rank)
             residual, total = residual + lost, total + whole
             tensors.update(_keys(module, loaded, a, b))
         report.relative_error = math.sqrt(residual / total) if total > 0 else 0.0
+    check()
     config = _config(loaded, base, rank, modules, fan_in_fan_out.pop())
     dest.mkdir(parents=True, exist_ok=True)
     (dest / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

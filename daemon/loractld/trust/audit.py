@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import sys
@@ -47,8 +48,11 @@ async def audited(principal: str, operation: str, target: str):
     except PermissionDenied:
         outcome = "denied"
         raise
+    except asyncio.CancelledError:
+        outcome = "cancelled"   # the caller left (Ctrl-C), or the daemon drained: the work was stopped
+        raise
     except LoractlError as e:
-        outcome = f"error: {e.kind}"
+        outcome = "cancelled" if e.kind == "cancelled" else f"error: {e.kind}"
         raise
     finally:
         record(principal, operation, target, outcome)

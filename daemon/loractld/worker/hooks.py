@@ -32,6 +32,8 @@ Points (the subjects in brackets):
     engine-remove       vLLM dropped the adapter (evict --from host, rm)
     store-installed     a pull's object is renamed into .objects/; the name's link is not swapped
     store-unlink        rm unlinked the name; the adapter's folder and any pin are still there
+    merge-step          a merge, in its thread, is about to read a source or merge a module (or,
+                        the last time, to write its files): its caller may have left
     write:NAME          a JSON file NAME (e.g. state.json) is written beside it, not yet renamed
     worker-loaded       (lora_request, lora) the worker loaded an adapter inside a step; a raise
                         here is journaled as that adapter's load failure

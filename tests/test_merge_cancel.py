@@ -1,0 +1,110 @@
+"""Issue 60, item 2: Ctrl-C cancels a merge (and the create that merges), on the hooked daemon.
+
+Before: ``loractl merge ... --svd-rank 16`` + Ctrl-C printed ``interrupted`` and exited 130, the
+audit said ``result=error``, and 29 s later the daemon logged ``merged`` and ``ls`` listed it;
+``loractl create ctrlc07 -f Modelfile`` + Ctrl-C left ``ctrlc07-merged`` in the store. Now the
+stream's reset cancels the call, the merge's thread stops at its next step (the ``merge-step``
+pause point holds it there, so the Ctrl-C lands mid-merge on any machine), nothing is
+installed, no staging folder stays, the audit says ``result=cancelled`` and the engine serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from support_daemons import BIN, run_cli, sigint_as_at_a_terminal
+
+SOURCES = ("poet/v1", "translator/v1")
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path.name} was not reached"
+        time.sleep(0.05)
+
+
+def _interrupted(hooked, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``loractl ARGS``, Ctrl-C it once the merge is held mid-way, then let the merge go on."""
+    sock = str(hooked.daemon.socket)
+    arming = hooked.pauses / "merge-step"
+    reached = hooked.pauses / "merge-step.reached"
+    reached.unlink(missing_ok=True)
+    arming.touch()
+    log_at = hooked.daemon.log.stat().st_size
+    try:
+        proc = subprocess.Popen([str(BIN / "loractl"), *args, "--socket", sock], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_at_a_terminal,
+                                env={**os.environ, "NO_COLOR": "1"})
+        _wait_for(reached, proc)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        arming.unlink(missing_ok=True)
+        reached.unlink(missing_ok=True)
+    deadline = time.monotonic() + 60
+    while True:   # the daemon's own word on the merge, once its thread went on
+        log = hooked.daemon.log.read_bytes()[log_at:].decode(errors="replace")
+        if "cancelled by its caller" in log or "completed after its caller left" in log:
+            break
+        assert time.monotonic() < deadline, log
+        time.sleep(0.2)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err), log
+
+
+def _listed(sock: str) -> set[str]:
+    return {a["name"] for a in json.loads(run_cli("ls", "--json", "--socket", sock).stdout)}
+
+
+def _staging_left(hooked) -> list[str]:
+    """The store's staging folders (``<store>/.tmp/<uuid>``): a merge writes its files there."""
+    return sorted(p.name for p in hooked.daemon.home.glob("**/adapters/.tmp/*"))
+
+
+def _pull_sources(hooked, demo) -> str:
+    sock = str(hooked.daemon.socket)
+    for name in SOURCES:
+        if name not in _listed(sock):
+            pulled = run_cli("pull", str(demo / "adapters" / name), "--name", name, "--socket", sock)
+            assert pulled.returncode == 0, pulled.stderr
+    return sock
+
+
+def test_ctrl_c_of_a_merge_installs_nothing_and_is_audited_cancelled(hooked, demo):
+    sock = _pull_sources(hooked, demo)
+    before = _listed(sock)
+    staging = _staging_left(hooked)
+    result, log = _interrupted(hooked, "merge", "ctrlc-merge", *SOURCES, "--svd-rank", "4")
+    assert result.returncode == 130, (result.stdout, result.stderr)
+    assert "cancelled by its caller: nothing was installed" in log, log
+    assert "merged ctrlc-merge" not in log
+    assert "op=merge target=ctrlc-merge result=cancelled" in log, log
+    time.sleep(1)
+    assert _listed(sock) == before and _staging_left(hooked) == staging
+    # Nothing holds the name: the same merge, uninterrupted, is made; the engine serves it.
+    made = run_cli("merge", "ctrlc-merge", *SOURCES, "--svd-rank", "4", "--socket", sock)
+    assert made.returncode == 0, made.stderr
+    ran = run_cli("run", "--lora", "ctrlc-merge", "-n", "2", "hi", "--socket", sock)
+    assert ran.returncode == 0, ran.stderr
+    assert run_cli("rm", "ctrlc-merge", "--socket", sock).returncode == 0
+
+
+def test_ctrl_c_of_a_create_that_merges_leaves_no_profile_and_no_merge(hooked, demo, tmp_path):
+    sock = _pull_sources(hooked, demo)
+    before = _listed(sock)
+    (tmp_path / "Modelfile").write_text("".join(f"ADAPTER {n}=0.5\n" for n in SOURCES).replace(
+        "ADAPTER", "FROM tiny\nADAPTER", 1))
+    result, log = _interrupted(hooked, "create", "ctrlc07", "-f", str(tmp_path / "Modelfile"))
+    assert result.returncode == 130, (result.stdout, result.stderr)
+    assert "op=create target=ctrlc07 result=cancelled" in log, log
+    time.sleep(1)
+    after = _listed(sock)
+    assert "ctrlc07" not in after and "ctrlc07-merged" not in after and after == before, after - before
+    assert _staging_left(hooked) == []
+    assert run_cli("run", "--raw", "-n", "2", "hi", "--socket", sock).returncode == 0
