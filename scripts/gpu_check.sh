@@ -17,6 +17,8 @@
 #   serve-vs-server    bench/serve_bench.py --device cuda --systems loractl,server, reduced
 #   serve-vs-asyncllm  bench/serve_bench.py --device cuda --systems loractl,asyncllm, reduced
 #   thrash             bench/thrash_bench.py --device cuda --systems measured,server, reduced (measured: the daemon's default admission)
+#   workstation        bench/workstation_check.py: the defaults chosen on this card against nvidia-smi,
+#                      a sleep and a wake at --sleep-level 1 and 2, --gpu-memory-utilization 0.5 passed through
 #
 # Settings (environment):
 #   GPU_CHECK_PYTHON   the interpreter (default: .venv/bin/python if present, else python3). With
@@ -64,9 +66,9 @@ fi
 STEPS=${GPU_CHECK_STEPS:-all}
 for wanted_step in ${STEPS//,/ }; do
   case $wanted_step in
-    all | env | selfcheck-auto | selfcheck-cuda | demo | serve-vs-server | serve-vs-asyncllm | thrash) ;;
+    all | env | selfcheck-auto | selfcheck-cuda | demo | serve-vs-server | serve-vs-asyncllm | thrash | workstation) ;;
     *) die "GPU_CHECK_STEPS names an unknown step: $wanted_step" \
-           "choose from env, selfcheck-auto, selfcheck-cuda, demo, serve-vs-server, serve-vs-asyncllm, thrash" ;;
+           "choose from env, selfcheck-auto, selfcheck-cuda, demo, serve-vs-server, serve-vs-asyncllm, thrash, workstation" ;;
   esac
 done
 
@@ -448,6 +450,7 @@ bench_step serve-vs-asyncllm "$OUT/serve-gpu-vs-asyncllm.json" "$WORK/serve-asyn
   --systems loractl,asyncllm --rounds 2 --streams 1,16 --requests 32 --tokens 32 --interleaved 20
 bench_step thrash "$OUT/thrash-gpu.json" "$WORK/thrash" bench/thrash_bench.py \
   --systems "$THRASH_SYSTEMS" --rounds 2 --streams 4,16 --requests 64 --tokens 32
+bench_step workstation "$OUT/workstation.json" "$WORK/workstation" bench/workstation_check.py
 
 trap - INT TERM
 summary
