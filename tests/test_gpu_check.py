@@ -137,3 +137,14 @@ def test_the_steps_left_out_are_skipped_and_named(tmp_path):
     assert ("skipped (GPU_CHECK_STEPS=env): selfcheck-auto selfcheck-cuda demo serve-vs-server "
             "serve-vs-asyncllm thrash workstation") in summary
     assert not list((tmp_path / "out").glob("selfcheck-*.log"))
+
+
+def test_the_workstation_check_refuses_without_nvidia_smi(tmp_path):
+    """bench/workstation_check.py (the workstation step) says so in one line where no GPU is."""
+
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "workstation_check.py"), "--workdir", str(tmp_path),
+                             "--out", str(tmp_path / "ws.json")], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == "workstation_check: error: no nvidia-smi"
+    assert not (tmp_path / "ws.json").exists()
