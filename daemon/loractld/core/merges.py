@@ -89,7 +89,9 @@ class MergeOps:
                 adapter = await self._after_installs(made)
             except asyncio.CancelledError:
                 stop.set()
-                await asyncio.wait({made})   # the thread's next check, or the install's end
+                while not made.done():   # the thread's next check, or the install's end
+                    with contextlib.suppress(asyncio.CancelledError):   # the door may cancel again
+                        await asyncio.wait({made})
                 if made.cancelled() or made.exception() is not None:
                     _log.info("merge %s cancelled by its caller: nothing was installed", name)
                     raise
