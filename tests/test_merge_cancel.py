@@ -108,3 +108,49 @@ def test_ctrl_c_of_a_create_that_merges_leaves_no_profile_and_no_merge(hooked, d
     assert "ctrlc07" not in after and "ctrlc07-merged" not in after and after == before, after - before
     assert _staging_left(hooked) == []
     assert run_cli("run", "--raw", "-n", "2", "hi", "--socket", sock).returncode == 0
+
+
+# -- issue 60, item 16: a create of many folder ADAPTERs, interrupted mid-pulls ----------------
+
+def test_ctrl_c_of_a_create_mid_pulls_leaves_none_of_its_adapters(hooked, demo, tmp_path):
+    """The issue's `timeout -s INT 4.9 loractl create cx9 -f M1000` (a Modelfile of folder
+    ADAPTERs) left ``cx9-adapter-75``, installed after the undo had looked; here the Ctrl-C comes
+    after the 2nd, 4th and 6th pull's install, and each time nothing of ``cx9`` stays."""
+    import shutil
+
+    sock = str(hooked.daemon.socket)
+    source = demo / "adapters" / "poet" / "v1"
+    lines = ["FROM tiny"]
+    for i in range(12):   # distinct folders (the same one again is the same adapter, pulled once)
+        folder = tmp_path / f"a{i}"
+        shutil.copytree(source, folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        config["lora_dropout"] = i / 100   # other content, same weights
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        lines.append(f"ADAPTER {folder}=0.1")
+    (tmp_path / "M").write_text("\n".join(lines) + "\n")
+    before = _listed(sock)
+    for cut in (2, 4, 6):
+        log_at = hooked.daemon.log.stat().st_size
+        proc = subprocess.Popen([str(BIN / "loractl"), "create", "cx9", "-f", str(tmp_path / "M"), "--socket", sock],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sigint_as_at_a_terminal, env={**os.environ, "NO_COLOR": "1"})
+        deadline = time.monotonic() + 120
+        while hooked.daemon.log.read_bytes()[log_at:].count(b"DOWNLOADED_TO_DISK cx9-adapter") < cut:
+            if proc.poll() is not None:
+                break
+            assert time.monotonic() < deadline, hooked.daemon.log_tail()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 60
+        while True:   # the undo's removals are done once no cx9 name is left, or the time is up
+            left = {n for n in _listed(sock) - before if n.startswith("cx9")}
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert not left, (cut, sorted(left), proc.returncode, err, hooked.daemon.log_tail())
+        time.sleep(2)   # and none lands after
+        assert _listed(sock) == before, (cut, _listed(sock) - before)
+    assert _staging_left(hooked) == []
+    assert run_cli("run", "--raw", "-n", "2", "hi", "--socket", sock).returncode == 0

@@ -89,15 +89,20 @@ def _read_file(path: Path, actions: dict[str, argparse.Action],
     return values, unknown
 
 
+def boolean(raw: Any) -> bool:
+    """A TOML boolean, or an environment variable's 1/true/yes or 0/false/no."""
+    if isinstance(raw, str):
+        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"not a boolean: {raw!r}")
+        return raw.lower() in ("1", "true", "yes")
+    return bool(raw)
+
+
 def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
     """A file or environment value, converted and checked like the flag's own argument."""
     try:
         if isinstance(action, argparse._StoreTrueAction):
-            if isinstance(raw, str):
-                if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-                    raise ValueError(f"not a boolean: {raw!r}")
-                return raw.lower() in ("1", "true", "yes")
-            return bool(raw)
+            return boolean(raw)
         if isinstance(action, argparse._AppendAction):
             items = raw if isinstance(raw, list) else [s for s in str(raw).split(",") if s.strip()]
             return [_scalar(action, item) for item in items]

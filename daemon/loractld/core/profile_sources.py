@@ -95,7 +95,9 @@ class CreatePulls:
         """Remove what this create installed new (those names only, newest first)."""
         catalog = await self.core._wait_catalog()
         for name in reversed(self.new):
-            if not await asyncio.to_thread(catalog.store.has, name):
+            async with catalog.puller.lock(name):   # a pull of it still ending (its install) ends first
+                stored = await asyncio.to_thread(catalog.store.has, name)
+            if not stored:
                 continue
             try:
                 await self.core.remove(name, force=True)

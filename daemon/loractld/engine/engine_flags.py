@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loractl.errors import InvalidRequest
+from loractld.config import boolean
 
 # vLLM engine fields that loractld sets itself: the flag is refused, with loractld's way.
 OWNED: dict[str, str] = {
@@ -138,13 +139,9 @@ def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
     """A TOML or environment value for one of vLLM's flags, through the flag's own type."""
     try:
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
-            if isinstance(raw, str):
-                if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-                    raise ValueError(f"not a boolean: {raw!r}")
-                return raw.lower() in ("1", "true", "yes")
-            return bool(raw)
+            return boolean(raw)
         if isinstance(action, argparse._StoreFalseAction):
-            return not (raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes"))
+            return not boolean(raw)
         if action.nargs in ("+", "*") or isinstance(action.nargs, int):
             items = raw if isinstance(raw, list) else str(raw).split()
             return [_scalar(action, item) for item in items]

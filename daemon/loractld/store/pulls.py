@@ -166,8 +166,12 @@ class Puller:
             adapter = await future
         except (asyncio.CancelledError, GeneratorExit):
             cancel.set()  # the client went away: stop the download, keep holding the lock until it has
+            while not future.done():
+                # Until the thread has ended: a second cancel (the door's, a create's undo) that
+                # cut this wait short let the install land after a create's undo had looked.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([future])
             with contextlib.suppress(BaseException):
-                await asyncio.wait([future])
                 if future.exception() is None and installed is not None:
                     # Installed before the cancel reached the thread: the install stands, and so
                     # does what follows it (``installed`` finishes it even if this is cut short).
