@@ -19,7 +19,8 @@ from pathlib import Path
 
 from support_daemons import BIN, run_cli, sigint_as_at_a_terminal
 
-SOURCES = ("poet/v1", "translator/v1")
+SOURCES = ("poet/v1", "translator/v1")   # ranks 8 and 16: the merge's --svd-rank 4 fits any rank limit
+FITTING = ("poet/v1", "sql-expert/v1")   # ranks 8 and 8: an exact merge within the daemon's 16
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -69,7 +70,7 @@ def _staging_left(hooked) -> list[str]:
 
 def _pull_sources(hooked, demo) -> str:
     sock = str(hooked.daemon.socket)
-    for name in SOURCES:
+    for name in (*SOURCES, *FITTING):
         if name not in _listed(sock):
             pulled = run_cli("pull", str(demo / "adapters" / name), "--name", name, "--socket", sock)
             assert pulled.returncode == 0, pulled.stderr
@@ -98,7 +99,7 @@ def test_ctrl_c_of_a_merge_installs_nothing_and_is_audited_cancelled(hooked, dem
 def test_ctrl_c_of_a_create_that_merges_leaves_no_profile_and_no_merge(hooked, demo, tmp_path):
     sock = _pull_sources(hooked, demo)
     before = _listed(sock)
-    (tmp_path / "Modelfile").write_text("".join(f"ADAPTER {n}=0.5\n" for n in SOURCES).replace(
+    (tmp_path / "Modelfile").write_text("".join(f"ADAPTER {n}=0.5\n" for n in FITTING).replace(
         "ADAPTER", "FROM tiny\nADAPTER", 1))
     result, log = _interrupted(hooked, "create", "ctrlc07", "-f", str(tmp_path / "Modelfile"))
     assert result.returncode == 130, (result.stdout, result.stderr)
@@ -126,6 +127,9 @@ def test_ctrl_c_of_a_create_mid_pulls_leaves_none_of_its_adapters(hooked, demo, 
         shutil.copytree(source, folder)
         config = json.loads((folder / "adapter_config.json").read_text())
         config["lora_dropout"] = i / 100   # other content, same weights
+        # Ranks the create cannot add up before pulling (a rank_pattern, equal to r): it pulls them
+        # all, as it pulls Hub refs, and the merge would refuse them after (test below: refused first).
+        config["rank_pattern"] = {module: config["r"] for module in config["target_modules"]}
         (folder / "adapter_config.json").write_text(json.dumps(config))
         lines.append(f"ADAPTER {folder}=0.1")
     (tmp_path / "M").write_text("\n".join(lines) + "\n")
@@ -141,8 +145,10 @@ def test_ctrl_c_of_a_create_mid_pulls_leaves_none_of_its_adapters(hooked, demo, 
                 break
             assert time.monotonic() < deadline, hooked.daemon.log_tail()
             time.sleep(0.02)
+        assert proc.poll() is None, ("the create ended before its cut", cut, proc.communicate())
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, (cut, out, err)
         deadline = time.monotonic() + 60
         while True:   # the undo's removals are done once no cx9 name is left, or the time is up
             left = {n for n in _listed(sock) - before if n.startswith("cx9")}
@@ -154,3 +160,24 @@ def test_ctrl_c_of_a_create_mid_pulls_leaves_none_of_its_adapters(hooked, demo, 
         assert _listed(sock) == before, (cut, _listed(sock) - before)
     assert _staging_left(hooked) == []
     assert run_cli("run", "--raw", "-n", "2", "hi", "--socket", sock).returncode == 0
+
+
+def test_a_create_whose_merge_is_too_big_is_refused_before_any_pull(hooked, demo, tmp_path):
+    """Item 16's other half: each folder line was pulled before the rank check; 12 rank-8 folders
+    (rank 96, over the daemon's 16) are refused at once, and nothing is pulled."""
+    import shutil
+
+    sock = str(hooked.daemon.socket)
+    lines = ["FROM tiny"]
+    for i in range(12):
+        folder = tmp_path / f"b{i}"
+        shutil.copytree(demo / "adapters" / "poet" / "v1", folder)
+        lines.append(f"ADAPTER {folder}=0.1")
+    (tmp_path / "M").write_text("\n".join(lines) + "\n")
+    before = _listed(sock)
+    log_at = hooked.daemon.log.stat().st_size
+    refused = run_cli("create", "cx10", "-f", str(tmp_path / "M"), "--socket", sock)
+    assert refused.returncode == 2 and "merge to rank 96, over this daemon's --max-lora-rank 16" in refused.stderr, \
+        refused.stderr
+    assert b"DOWNLOADED_TO_DISK" not in hooked.daemon.log.read_bytes()[log_at:]
+    assert _listed(sock) == before

@@ -130,6 +130,7 @@ async def sourced(core, name: str, modelfile: Modelfile,
     if await asyncio.to_thread(catalog.store.has, name):   # one name space: refused before anything is pulled
         raise adapter_taken(name)
     lines = getattr(modelfile, "adapter_lines", [])
+    await _merge_fits(core, catalog, modelfile.adapters)   # before anything is pulled
     async with undone_on_failure(core, caller) as pulls:
         adapters: list[tuple[str, float]] = []
         for index, (value, weight) in enumerate(modelfile.adapters):
@@ -137,6 +138,48 @@ async def sourced(core, name: str, modelfile: Modelfile,
             stored = await _stored(core, pulls, name, value, line, [n for n, _ in adapters])
             adapters.append((stored, weight))
         yield dataclasses.replace(modelfile, adapters=adapters)
+
+
+async def _merge_fits(core, catalog, adapters: list[tuple[str, float]]) -> None:
+    """Refuse, before any pull, a merge whose rank is known to pass the engine's --max-lora-rank:
+    the sources that are stored adapters or folders (their adapter_config.json; a Hub ref's is
+    not known until it is pulled) targeting the same modules without a rank_pattern, their ranks
+    summed (PEFT's ``cat``). The merge checks the rest itself, after the pulls."""
+    if len(adapters) < 2 and not (adapters and adapters[0][1] != 1.0):
+        return   # no merge
+    engine, _ = await core._wait_engine()
+    limit = engine.settings.max_lora_rank
+
+    def known() -> tuple[int, bool] | None:
+        import json
+
+        total, modules = 0, None
+        for value, _ in adapters:
+            if catalog.store.has(value):
+                config_path = catalog.store.get(value).path / "adapter_config.json"
+            else:
+                folder = Path(value.removeprefix("file://"))
+                if not folder.is_absolute() or not folder.is_dir():
+                    return None   # a Hub ref (or a refusal the pull names)
+                config_path = folder / "adapter_config.json"
+            try:
+                config = json.loads(config_path.read_text())
+            except (OSError, ValueError):
+                return None   # the pull names what is wrong with it
+            targets = config.get("target_modules")
+            targets = tuple(sorted(targets)) if isinstance(targets, list) else targets
+            if config.get("rank_pattern") or not isinstance(config.get("r"), int) or (
+                    modules is not None and targets != modules):
+                return None
+            modules = targets
+            total += config["r"]
+        return total, True
+
+    found = await asyncio.to_thread(known)
+    if found is not None and found[0] > limit:
+        raise InvalidRequest(f"the {len(adapters)} ADAPTERs merge to rank {found[0]}, over this daemon's "
+                             f"--max-lora-rank {limit} (nothing was pulled)",
+                             f"Name fewer adapters, or restart the daemon with --max-lora-rank {found[0]}.")
 
 
 async def _stored(core, pulls: CreatePulls, profile: str, value: str, line: int, taken: list[str]) -> str:
