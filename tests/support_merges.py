@@ -29,7 +29,9 @@ def pull_sources(rig, demo: Path, root: Path) -> dict[str, Path]:
     for name, case in SERVED.items():
         folders[name] = root / name.replace("/", "-")
         peft_corpus.build(case, demo / "model", folders[name], scale=0.1)
-        rig.ok("pull", str(folders[name]), "--name", name)
+        # --force: another module pulled these names from its own copy of the same folders (a
+        # different source, refused without it since issue 60)
+        rig.ok("pull", str(folders[name]), "--name", name, "--force")
     return folders
 
 

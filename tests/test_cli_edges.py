@@ -195,15 +195,15 @@ def test_run_stop_top_k_and_top_p_reach_the_engine(edged):
 
 def test_piped_chat_switches_adapters_with_lora_and_exits_0_on_empty_input(edged):
     sock = ("--socket", str(edged.socket))
-    base = run_cli("chat", "-t", "0", "-n", "6", *sock, input="Count the users\n")
-    switched = run_cli("chat", "-t", "0", "-n", "6", *sock, input="/lora edge-sql/v1\nCount the users\n")
-    ran = run_cli("run", "--lora", "edge-sql/v1", "-t", "0", "-n", "6", "Count the users", *sock)
+    base = run_cli("chat", "-t", "0", "-n", "6", *sock, input="Count the users\n", timeout=180)
+    switched = run_cli("chat", "-t", "0", "-n", "6", *sock, input="/lora edge-sql/v1\nCount the users\n", timeout=180)
+    ran = run_cli("run", "--lora", "edge-sql/v1", "-t", "0", "-n", "6", "Count the users", *sock, timeout=180)
     assert base.returncode == switched.returncode == ran.returncode == 0, (base.stderr, switched.stderr)
     assert switched.stdout == ran.stdout != base.stdout
     assert "/lora" not in switched.stdout
-    refused = run_cli("chat", *sock, input="/lora edge-sqll/v1\nhi\n")
+    refused = run_cli("chat", *sock, input="/lora edge-sqll/v1\nhi\n", timeout=180)
     assert refused.returncode == 4 and "Did you mean 'edge-sql/v1'?" in refused.stderr and refused.stdout == ""
-    empty = run_cli("chat", *sock, input="")
+    empty = run_cli("chat", *sock, input="", timeout=180)
     assert (empty.returncode, empty.stdout) == (0, ""), empty.stderr
 
 

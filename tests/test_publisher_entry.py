@@ -32,7 +32,8 @@ def _install(store: Store, source, name: str) -> None:
 
 
 def test_the_entry_follows_pulls_and_removals_without_listing_the_store(tmp_path, demo):
-    settings = DaemonSettings(engine=EngineSettings(model=str(demo / "model")))
+    # a started engine's settings hold its slots (None in EngineSettings means "chosen at start")
+    settings = DaemonSettings(engine=EngineSettings(model=str(demo / "model"), max_loras=2, max_cpu_loras=4))
     catalog = open_catalog(settings, tmp_path / "adapters", str(demo / "model"))
     source = demo / "adapters" / "poet" / "v1"
     for name in ("a", "b"):

@@ -30,7 +30,9 @@ def _stage_and_install(store, name: str, content: bytes):
         for fname, data in files.items():
             (staged / fname).write_bytes(data)
         records = [{"name": f, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for f, d in files.items()]
-        return store.install(name, staged, {"name": name, "source": "local", "ref": name, "revision": "r",
+        # Recorded as pulled from the test source (test://NAME), so that a pull of a new revision
+        # from there is an update, not another source onto a taken name (refused since issue 60).
+        return store.install(name, staged, {"name": name, "source": "test", "ref": f"test://{name}", "revision": "r",
                                             "files": records})
 
 

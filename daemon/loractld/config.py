@@ -23,6 +23,7 @@ from typing import Any
 import platformdirs
 
 from loractl.errors import InvalidRequest
+from loractld.engine.engine_flags import boolean
 
 SHARED_ENV = {"home": "LORACTL_HOME", "socket": "LORACTL_SOCKET", "log_level": "LORACTL_LOG_LEVEL"}
 _NOT_SETTINGS = {"help", "version", "config"}
@@ -87,15 +88,6 @@ def _read_file(path: Path, actions: dict[str, argparse.Action],
             raise InvalidRequest(f"unknown key {key!r} in {path}", f"Known keys: {known}.")
         values[dest] = _convert(action, raw, f"{key} in {path}")
     return values, unknown
-
-
-def boolean(raw: Any) -> bool:
-    """A TOML boolean, or an environment variable's 1/true/yes or 0/false/no."""
-    if isinstance(raw, str):
-        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
-            raise ValueError(f"not a boolean: {raw!r}")
-        return raw.lower() in ("1", "true", "yes")
-    return bool(raw)
 
 
 def _convert(action: argparse.Action, raw: Any, where: str) -> Any:

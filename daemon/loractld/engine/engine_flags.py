@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from loractl.errors import InvalidRequest
-from loractld.config import boolean
 
 # vLLM engine fields that loractld sets itself: the flag is refused, with loractld's way.
 OWNED: dict[str, str] = {
@@ -133,6 +132,15 @@ def parse_leftovers(argv: list[str], from_file: Mapping[str, Any], from_env: Map
         if dest in OWNED:
             raise InvalidRequest(f"{_flag(actions[dest])} is set by loractld itself", OWNED[dest])
     return values
+
+
+def boolean(raw: Any) -> bool:
+    """A TOML boolean, or an environment variable's 1/true/yes or 0/false/no."""
+    if isinstance(raw, str):
+        if raw.lower() not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"not a boolean: {raw!r}")
+        return raw.lower() in ("1", "true", "yes")
+    return bool(raw)
 
 
 def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
