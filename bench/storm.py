@@ -182,6 +182,9 @@ async def check_after(socket: str) -> list[str]:
     store = Path(status["home"]) / "adapters"
     on_disk = {str(p.relative_to(store)) for p in store.rglob("*") if p.is_symlink() and not p.name.startswith(".")
                and ".objects" not in p.parts}
+    # A weighted profile's own merge (<profile>-merged) is in the store but listed with its profile,
+    # not as an adapter (issue 60, item 3).
+    on_disk = {name for name in on_disk if name in listed or not name.endswith("-merged")}
     if set(listed) != on_disk:
         failures.append(f"ls lists {sorted(listed)}, the store has {sorted(on_disk)}")
     device = {a["name"] for a in listed.values() if a["tier"] == "device"}
