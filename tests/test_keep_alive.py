@@ -283,7 +283,7 @@ class FakeTiers:
 
     def __init__(self) -> None:
         self.gate = FakeGate()
-        self._lock = asyncio.Lock()
+        self.lock = asyncio.Lock()
         self.reader = self
         self.following = True
 

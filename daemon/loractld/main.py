@@ -211,9 +211,10 @@ def _quiet_vllm_import() -> None:
 
 def _passthrough(leftover: list[str], from_file: dict, from_env: dict, file_name: str) -> dict:
     """vLLM's engine flags among what loractld's parser left (``engine_flags``)."""
-    if leftover or from_file or from_env:
-        hide_media_packages(children=True)  # before vLLM's import, as for the engine (worker/media_packages.py)
-        _quiet_vllm_import()
+    if not (leftover or from_file or from_env):
+        return {}
+    hide_media_packages(children=True)  # before vLLM's import, as for the engine (worker/media_packages.py)
+    _quiet_vllm_import()
     own = [o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")]
     return engine_flags.parse_leftovers(leftover, from_file, from_env, own_options=own, file_name=file_name)
 

@@ -174,9 +174,6 @@ def _sized_for_cuda(settings: EngineSettings, kv_bytes: int | None) -> tuple[Eng
 class Engine:
     """A running ``AsyncLLM`` with LoRA enabled. Create with :meth:`start`."""
 
-    choices: list = []          # device_defaults.Choice: what loractld chose for this device, and why
-    engine_args: dict = {}      # the engine settings in effect, under vLLM's names (engine_flags.settled)
-
     def __init__(self, llm: Any, settings: EngineSettings, device: str, dtype: str, start_seconds: float):
         self._llm = llm
         self.settings = settings
@@ -194,6 +191,10 @@ class Engine:
         # On CUDA the start asks for dtype "auto" and no KV size: vLLM's choices are the facts.
         self.dtype = settled_dtype(config) or dtype
         self.kv_cache_bytes = kv_cache_bytes(config)   # what was asked, where it was (Engine.start)
+        # Filled by Engine.start: what loractld chose for this device and why (device_defaults.Choice),
+        # and the engine settings in effect under vLLM's names (engine_flags.settled).
+        self.choices: list[device_defaults.Choice] = []
+        self.engine_args: dict[str, Any] = {}
 
     @classmethod
     async def start(cls, settings: EngineSettings) -> Engine:

@@ -213,7 +213,7 @@ class KeepAlive:
         unfinished = self.engine.unfinished_requests()
         if unfinished:
             return f"{unfinished} request(s) in the engine"
-        if self.tiers._lock.locked():
+        if self.tiers.lock.locked():
             return "a tier operation"
         return self.busy()
 
@@ -318,7 +318,7 @@ class KeepAlive:
         new journal. Under the tiers' lock: no tier operation runs meanwhile."""
         tiers = self.tiers
         reader = tiers.reader
-        async with tiers._lock:
+        async with tiers.lock:
             before = reader.last_state
             for tier, ids in (("host", before.host), ("device", before.device)):
                 for engine_id in ids:

@@ -100,6 +100,12 @@ class Tiers:
         """Every pinned adapter, host and device."""
         return list(self.state.pins) + list(self.state.device_pins)
 
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held by every tier operation (load, evict, pin, unpin, an install's follow-up): whoever
+        must run with no tier operation between its check and its change (keep_alive) takes it."""
+        return self._lock
+
     def held_pins(self) -> dict[str, tuple[str, int]]:
         """name -> (pin, the engine id it holds), for every recorded pin applied in the engine."""
         return {n: (self.state.pin_of(n), i) for n, i in self._pinned_ids.items()}
