@@ -24,6 +24,7 @@ import ollama
 import pytest
 
 from conftest import collect
+from loractl.paths import layout
 from test_ollama import NOBODY
 
 SOURCE = "poet/v1"
@@ -70,6 +71,34 @@ def test_blob_bounds_quota_and_free_disk_refuse_and_leave_nothing(tmp_path, monk
     assert sorted(p.name for p in (tmp_path / ".blobs").iterdir()) == []
     (tmp_path / ".blobs" / ".part-left-by-a-kill").write_bytes(b"x")
     Blobs(tmp_path, max_blob_bytes=40, quota_bytes=60, check_free_space=check_free_space)
+    assert not list((tmp_path / ".blobs").iterdir())
+
+
+def test_held_blobs_outlive_another_creates_removal_and_leftovers_go_at_start(tmp_path):
+    """Creates that send the same blobs hold them: the first one done removes nothing the
+    others still need, the last one out removes what was installed; a kill's leftovers (part
+    files, assembled folders of hard links) are cleared when the blobs are opened."""
+    from loractl.errors import InvalidRequest
+    from loractld.store.blobs import Blobs
+
+    blobs = Blobs(tmp_path, max_blob_bytes=100, quota_bytes=200, check_free_space=lambda n: None)
+    content = b"weights"
+    digest = "sha256:" + hashlib.sha256(content).hexdigest()
+    assert _upload(blobs, content)
+    blobs.hold([digest])
+    blobs.hold([digest])
+    blobs.remove([digest])                       # another caller's removal: a create still holds it
+    blobs.release([digest], used=True)           # the first create is done
+    assert blobs.has(digest)
+    folder = blobs.assemble({"adapter_model.safetensors": digest})
+    assert (folder / "adapter_model.safetensors").read_bytes() == content
+    blobs.release([digest], used=False)          # the last one out: one of them installed it
+    assert not blobs.has(digest)
+    with pytest.raises(InvalidRequest, match="not uploaded"):
+        blobs.hold([digest])
+    (tmp_path / ".blobs" / ".part-left-by-a-kill").write_bytes(b"x")
+    assert folder.is_dir()                       # as a kill -9 mid-create leaves it
+    Blobs(tmp_path, max_blob_bytes=100, quota_bytes=200, check_free_space=lambda n: None)
     assert not list((tmp_path / ".blobs").iterdir())
 
 
@@ -230,11 +259,45 @@ def test_a_create_that_fails_after_its_blobs_were_installed_leaves_no_adapter(cr
     rig.ok("rm", "orphan")
 
 
+def test_four_creates_at_once_from_the_same_blobs_all_succeed(created):
+    """Issue 60, item 17: four parallel /api/create naming the same two blobs were one 200 and
+    three 500s (the assembled folder emptied under each other, the blobs removed by the first)."""
+    rig, client = created
+    folder = rig.root / "tiny" / "adapters" / SOURCE
+    adapters = {name: client.create_blob(folder / name) for name in ("adapter_config.json",
+                                                                     "adapter_model.safetensors")}
+
+    async def create(http: httpx.AsyncClient, model: str) -> tuple[int, list[dict]]:
+        async with http.stream("POST", f"{rig.http}/api/create", json={"model": model, "adapters": adapters,
+                                                                       "system": SYSTEM}) as answer:
+            return answer.status_code, [json.loads(line) async for line in answer.aiter_lines() if line.strip()]
+
+    async def all_at_once() -> list:
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(create(http, f"quad{i}") for i in range(4)))
+    answers = asyncio.run(all_at_once())
+    assert [(status, lines[-1]) for status, lines in answers] == [(200, {"status": "success"})] * 4, answers
+    models = {m.model for m in client.list().models}
+    assert {f"quad{i}:latest" for i in range(4)} <= models, models
+    answered = {client.chat(model=f"quad{i}", messages=QUESTION, options={"temperature": 0, "num_predict": 6})
+                .message.content for i in range(4)}
+    assert len(answered) == 1 and answered != {""}, answered   # one adapter, one system prompt: one answer
+    assert all(httpx.head(f"{rig.http}/api/blobs/{d}").status_code == 404 for d in adapters.values())
+    assert not list((layout(rig.root).store_dir / ".blobs").glob(".assembled-*"))
+    for i in range(4):
+        rig.ok("rm", f"quad{i}")
+        rig.ok("rm", f"quad{i}-adapter")
+
+
 def test_the_profile_survives_a_restart(created):
     rig, _ = created
     before = _plain(rig)["text"]
     rig.daemon.stop()
+    leftover = layout(rig.root).store_dir / ".blobs" / ".assembled-0123456789abcdef"
+    leftover.mkdir(parents=True)
+    (leftover / "adapter_model.safetensors").write_bytes(b"left by kill -9 mid-create")
     rig.start()
+    assert not leftover.exists()    # issue 60, item 19: cleared at start, not kept for good
     client = ollama.Client(host=rig.http, timeout=300)
     assert "bard:latest" in {m.model for m in client.list().models}
     assert client.chat(model="bard", messages=QUESTION).message.content == before

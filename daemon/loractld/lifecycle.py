@@ -46,6 +46,7 @@ from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store import formats, rank_limit
+from loractld.store.blobs import clear_leftovers
 from loractld.store.copies import SNAPSHOT_BUDGET
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
@@ -149,6 +150,8 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     store = Store(store_dir, snapshot_budget=settings.snapshot_budget)
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
+    for leftover in clear_leftovers(store_dir):
+        _log.info("removed a leftover of an interrupted upload or create: %s", leftover)
     store.stamp_format()
     adapters = store.list()
     limit = rank_limit.from_store(adapters, settings.engine.max_lora_rank)

@@ -133,17 +133,17 @@ def profile_view(profile: Profile) -> AdapterView:
 
 class ProfileOps:
     async def blob_store(self) -> Blobs:
-        """The store's uploaded blobs (Ollama's /api/blobs), opened at the first use: one adapter's
+        """The store's uploaded blobs (Ollama's /api/blobs), opened once, at the first use (two
+        first uploads at once share one: its holds and quota are the only ones): one adapter's
         weights and its config in flight or waiting for their create, twice over."""
-        blobs = getattr(self, "_blobs", None)
-        if blobs is None:
-            catalog = await self._wait_catalog()
-            limit = catalog.resolver.max_bytes or DEFAULT_MAX_WEIGHTS_BYTES
-            blobs = await asyncio.to_thread(Blobs, catalog.store.root, max_blob_bytes=limit,
-                                            quota_bytes=2 * limit + (1 << 20),
-                                            check_free_space=catalog.store.check_free_space)
-            self._blobs = blobs
-        return blobs
+        async with self._blobs_opening:
+            if self._blobs is None:
+                catalog = await self._wait_catalog()
+                limit = catalog.resolver.max_bytes or DEFAULT_MAX_WEIGHTS_BYTES
+                self._blobs = await asyncio.to_thread(Blobs, catalog.store.root, max_blob_bytes=limit,
+                                                      quota_bytes=2 * limit + (1 << 20),
+                                                      check_free_space=catalog.store.check_free_space)
+            return self._blobs
 
     # -- reading --------------------------------------------------------------------------
     def profile_of(self, name: str) -> Profile | None:

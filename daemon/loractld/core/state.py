@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from loractld.serving.admission import Gate
     from loractld.serving.keep_alive import KeepAlive
     from loractld.serving.tiers import Tiers
+    from loractld.store.blobs import Blobs
     from loractld.store.disk import Store
     from loractld.store.identity import AdapterResolver
     from loractld.store.pulls import Puller
@@ -90,6 +91,8 @@ class CoreState:
         self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
         self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
         self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
+        self._blobs: Blobs | None = None           # Ollama's uploads, opened at the first (ProfileOps.blob_store)
+        self._blobs_opening = asyncio.Lock()
         self.keep_alive: KeepAlive | None = None   # --keep-alive: the engine's sleep (loractld.serving.keep_alive)
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------

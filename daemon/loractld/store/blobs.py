@@ -16,6 +16,11 @@ Invariants:
   ``quota_bytes``, and every write first checks that the store's disk keeps its free margin
   (``Store.check_free_space``). Blobs no create used within ``UNUSED_TTL_S`` are removed
   when the quota needs their room, and at start.
+- A blob a create has checked is held (:meth:`hold`) until that create ends (:meth:`release`):
+  creates that name the same blobs run side by side, and the one that finishes first removes
+  nothing the others still need; the last one out removes what a successful create used.
+- What a killed daemon leaves (``.part-*`` uploads, ``.assembled-*`` folders of hard links) is
+  removed at the next start (:func:`clear_leftovers`, called when the store is opened).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from loractl.errors import InvalidRequest
@@ -48,6 +54,20 @@ def blob_hex(digest: str) -> str:
     return match.group(1)
 
 
+def clear_leftovers(store_root: Path) -> list[Path]:
+    """Remove what a daemon killed mid-upload or mid-create left under ``<store>/.blobs``: part
+    files and assembled folders (never a blob). Returns what it removed."""
+    root = Path(store_root) / BLOBS_DIR
+    removed = []
+    for leftover in [*root.glob(".part-*"), *root.glob(".assembled-*")]:
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+        removed.append(leftover)
+    return removed
+
+
 class Blobs:
     def __init__(self, store_root: Path, *, max_blob_bytes: int, quota_bytes: int,
                  check_free_space: Callable[[int], None]) -> None:
@@ -58,8 +78,9 @@ class Blobs:
         self._check_free_space = check_free_space
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
-        for part in self.root.glob(".part-*"):
-            part.unlink(missing_ok=True)
+        self._held: Counter[str] = Counter()   # blob hex -> creates in flight that name it
+        self._used: set[str] = set()           # held blobs a finished create installed: removed at the last release
+        clear_leftovers(store_root)
         self._prune(time.time() - UNUSED_TTL_S)
 
     def _prune(self, before: float) -> None:
@@ -67,7 +88,7 @@ class Blobs:
         its own): the quota is never held for good by uploads nobody came back for."""
         for blob in self.root.glob("sha256-*"):
             with contextlib.suppress(OSError):
-                if blob.stat().st_mtime < before:
+                if blob.name.removeprefix("sha256-") not in self._held and blob.stat().st_mtime < before:
                     blob.unlink()
 
     def path(self, digest: str) -> Path:
@@ -134,8 +155,35 @@ class Blobs:
             part.unlink(missing_ok=True)
 
     def remove(self, digests: list[str]) -> None:
-        for digest in digests:
-            self.path(digest).unlink(missing_ok=True)
+        with self._lock:
+            for digest in digests:
+                if blob_hex(digest) not in self._held:
+                    self.path(digest).unlink(missing_ok=True)
+
+    def hold(self, digests: Iterable[str]) -> None:
+        """Hold these blobs for one create (see the module's invariants); InvalidRequest naming the
+        first that is not uploaded, holding none."""
+        hexes = [blob_hex(d) for d in digests]
+        with self._lock:
+            missing = next((h for h in hexes if not (self.root / f"sha256-{h}").is_file()), None)
+            if missing is not None:
+                raise InvalidRequest(f"blob sha256:{missing} is not uploaded", f"POST /api/blobs/sha256:{missing} first.")
+            self._held.update(hexes)
+
+    def release(self, digests: Iterable[str], *, used: bool) -> None:
+        """One create is done with the blobs it held; ``used``: it installed them, so they go once
+        no other create holds them (their content is in the store)."""
+        with self._lock:
+            for h in (blob_hex(d) for d in digests):
+                if used:
+                    self._used.add(h)
+                self._held[h] -= 1
+                if self._held[h] > 0:
+                    continue
+                del self._held[h]
+                if h in self._used:
+                    self._used.discard(h)
+                    (self.root / f"sha256-{h}").unlink(missing_ok=True)
 
     def assembled_path(self, files: dict[str, str]) -> Path:
         """Where :meth:`assemble` puts ``files``: named by their content (what a pull of it records as its ref)."""
@@ -143,7 +191,8 @@ class Blobs:
         return self.root / f".assembled-{key[:32]}"
 
     def assemble(self, files: dict[str, str]) -> Path:
-        """A folder holding ``files`` (name -> blob digest), named by its content, for a pull."""
+        """A folder holding ``files`` (name -> blob digest), named by its content, for a pull. Its
+        caller holds the blobs (:meth:`hold`) and is the only one assembling these files."""
         folder = self.assembled_path(files)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()

@@ -24,8 +24,10 @@ import asyncio
 import contextlib
 import shutil
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loractl.errors import InvalidRequest
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -76,6 +78,9 @@ class CreateDoor:
     def __init__(self, core: Core, body_timeout_s: float) -> None:
         self.core = core
         self.body_timeout_s = body_timeout_s
+        # One assembly of a set of files at a time: its folder is named by their content, and
+        # creates that send the same blobs at once would otherwise empty it under each other.
+        self._assembling: dict[Path, asyncio.Lock] = {}
 
     async def blobs(self) -> Blobs:
         return await self.core.blob_store()
@@ -147,6 +152,12 @@ class CreateDoor:
     async def create(self, caller: policy.Caller, req: dict) -> AsyncIterator[dict]:
         """The create's status lines (its refusals before the first: a 4xx, not a 200 with an error line)."""
         name, modelfile, files = await self._checked(req)
+        if files:   # held after every check (a refusal has nothing to give back), released by the lines
+            blobs = await self.blobs()
+            try:
+                await asyncio.to_thread(blobs.hold, files.values())
+            except InvalidRequest as e:
+                raise refusal(e.message, e.hint, status=400, param="adapters") from None
         return self._create_lines(caller, name, modelfile, files, listed_as(req.get("model") or req.get("name")))
 
     async def _checked(self, req: dict) -> tuple[str, Modelfile, dict[str, str]]:
@@ -216,18 +227,21 @@ class CreateDoor:
 
     async def _create_lines(self, caller: policy.Caller, name: str, modelfile: Modelfile,
                             files: dict[str, str], listed: str = "") -> AsyncIterator[dict]:
-        async with policy.authorized(caller, self.core.socket_gid, "create", name,
-                                     refusal="create models over HTTP", hint=_HINT):
-            # The create that fails after the blobs' adapter was installed takes it back out.
-            async with undone_on_failure(self.core) as pulls:
-                if files:
-                    async for line in self._install(pulls, modelfile.adapters[-1][0], files):
-                        yield line
-                yield {"status": "writing manifest"}
-                await self.core.create(name, modelfile, caller=caller, listed_as=listed)
-            if files:
-                blobs = await self.blobs()
-                await asyncio.to_thread(blobs.remove, list(files.values()))   # their content is in the store now
+        installed = False
+        try:
+            async with policy.authorized(caller, self.core.socket_gid, "create", name,
+                                         refusal="create models over HTTP", hint=_HINT):
+                # The create that fails after the blobs' adapter was installed takes it back out.
+                async with undone_on_failure(self.core) as pulls:
+                    if files:
+                        async for line in self._install(pulls, modelfile.adapters[-1][0], files):
+                            yield line
+                    yield {"status": "writing manifest"}
+                    await self.core.create(name, modelfile, caller=caller, listed_as=listed)
+                installed = True
+        finally:
+            if files:   # their content is in the store now: removed once no other create holds them
+                (await self.blobs()).release(files.values(), used=installed)
         yield {"status": "success"}
 
     async def _install(self, pulls: CreatePulls, adapter: str, files: dict[str, str]) -> AsyncIterator[dict]:
@@ -236,15 +250,22 @@ class CreateDoor:
         blobs = await self.blobs()
         for file, digest in files.items():
             yield {"status": f"using existing layer sha256:{_hex(digest)}", "digest": digest}
-        folder = await asyncio.to_thread(blobs.assemble, files)
+        key = blobs.assembled_path(files)
+        lock = self._assembling.setdefault(key, asyncio.Lock())
         try:
-            async with contextlib.aclosing(pulls.pull(str(folder), adapter)) as events:
-                async for event in events:
-                    line = progress_line(event.stage, event.file, event.done, event.total)
-                    if line is not None and line["status"] not in ("success", "writing manifest"):
-                        yield line
+            async with lock:
+                folder = await asyncio.to_thread(blobs.assemble, files)
+                try:
+                    async with contextlib.aclosing(pulls.pull(str(folder), adapter)) as events:
+                        async for event in events:
+                            line = progress_line(event.stage, event.file, event.done, event.total)
+                            if line is not None and line["status"] not in ("success", "writing manifest"):
+                                yield line
+                finally:
+                    await asyncio.to_thread(shutil.rmtree, folder, True)
         finally:
-            await asyncio.to_thread(shutil.rmtree, folder, True)
+            if not lock.locked() and self._assembling.get(key) is lock:
+                del self._assembling[key]
 
 
 def _hex(digest: str) -> str:
