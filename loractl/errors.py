@@ -114,6 +114,23 @@ class PermissionDenied(LoractlError):
 MAX_LINE = 300
 
 
+_FULL_DISK = (28, 122)   # ENOSPC, EDQUOT: the same on Linux and macOS's errno for ENOSPC
+
+
+def of_os_error(error: BaseException) -> BaseException:
+    """``error`` as the domain error a user can cause, where it is one: a write that found the
+    disk (or the user's quota) full is :class:`DiskFull`, wherever it was written; any other
+    error is returned as it is (an internal error of its own)."""
+    if isinstance(error, OSError) and error.errno in _FULL_DISK:
+        where = f" writing {error.filename}" if error.filename else ""
+        full = DiskFull(f"the disk is full{where} ({error.strerror or 'no space left'})",
+                        "Free space on the store's disk (loractl rm NAME removes adapters) and run the command "
+                        "again; what it would have changed was not changed.")
+        full.__cause__ = error
+        return full
+    return error
+
+
 def one_line(text: str) -> str:
     """``text`` on one line, clipped to MAX_LINE characters (as every error message and hint)."""
     line = re.sub(r"\s*\n\s*", " ", str(text)).strip()

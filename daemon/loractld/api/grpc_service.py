@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, to_wire
+from loractl.errors import InvalidRequest, LoractlError, PermissionDenied, of_os_error, to_wire
 from loractl.message_json import message_json
 from loractl.v1 import loractl_pb2 as pb
 from loractl.v1.loractl_grpc import LoractlBase
@@ -140,6 +140,7 @@ def as_grpc_error(error: Exception, operation: str) -> GRPCError:
     is logged with its traceback here."""
     if isinstance(error, GRPCError):
         return error
+    error = of_os_error(error)
     if isinstance(error, DecodeError):
         # grpclib parses the request inside the handler (stream.recv_message), so bytes that
         # are no valid message (a wrong wire type, invalid UTF-8 in a string: found by

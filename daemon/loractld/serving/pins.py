@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+from loractl.errors import of_os_error
 from loractld.store.disk import write_json_atomic
 from loractld.store.formats import STATE_FORMAT
 
@@ -36,14 +37,19 @@ class PersistentState:
         return "device" if name in self.device_pins else "host" if name in self.pins else ""
 
     def set_pin(self, name: str, to: str) -> None:
-        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once."""
-        for pins in (self.pins, self.device_pins):
-            if name in pins:
-                pins.remove(name)
-        if to:
-            (self.device_pins if to == "device" else self.pins).append(name)
-        self.save()
+        """Record ``name`` pinned ``to`` "device", "host", or "" (unpinned); saved at once, and
+        changed in memory only once saved (a full disk: DiskFull, the pins as they were)."""
+        pins = [n for n in self.pins if n != name] + ([name] if to == "host" else [])
+        device_pins = [n for n in self.device_pins if n != name] + ([name] if to == "device" else [])
+        self._write(pins, device_pins)
+        self.pins, self.device_pins = pins, device_pins
 
     def save(self) -> None:
+        self._write(self.pins, self.device_pins)
+
+    def _write(self, pins: list[str], device_pins: list[str]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"format": STATE_FORMAT, "pins": self.pins, "device_pins": self.device_pins})
+        try:
+            write_json_atomic(self.path, {"format": STATE_FORMAT, "pins": pins, "device_pins": device_pins})
+        except OSError as e:
+            raise of_os_error(e) from e

@@ -290,14 +290,14 @@ class Tiers:
                         if not await self.engine.pin_adapter(engine_id, device=to == "device"):
                             raise LoractlError(f"pinning {name!r} failed: the engine no longer holds it",
                                                "Retry; if it persists, see the daemon's log.")
+                    if was != to:   # a pin that cannot be recorded (a full disk) is taken back out
+                        self.state.set_pin(name, to)
                 except BaseException:
                     self.claims.end(claim)
                     await self._settle_locked(engine_id)
                     if release_first and name not in self._pinned_ids:
                         await self._restore_host_pin(name, previous)
                     raise
-                if was != to:
-                    self.state.set_pin(name, to)
                 self._pinned_ids[name] = engine_id
                 self.claims.end(claim)
                 self.events.publish(Event("PINNED", name, message=f"pinned to {to}", reason=reason))
@@ -391,8 +391,8 @@ class Tiers:
     async def _drop_pin_locked(self, name: str, engine_id: int, reason: str = "") -> None:
         """Record ``name`` unpinned, then settle the id its pin held (``engine_id`` if none is
         recorded: a saved pin that was never applied)."""
+        self.state.set_pin(name, "")   # first: an unpin that cannot be recorded (a full disk) changes nothing
         held = self._pinned_ids.pop(name, engine_id)
-        self.state.set_pin(name, "")
         self.events.publish(Event("UNPINNED", name, reason=reason))
         await self._settle_locked(held)
 

@@ -91,13 +91,17 @@ def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``path`` whole or not at all (a temporary beside it, fsync, rename, fsync the folder).
     A crash can leave the temporary behind: :func:`remove_partial_writes` at start-up."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    hooks.reached(f"write:{path.name}")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        hooks.reached(f"write:{path.name}")
+        os.replace(tmp, path)
+    except BaseException:   # a full disk, above all: the old file stands, no temporary beside it
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -116,6 +117,9 @@ class Profiles:
     def _read_all(self):
         if not self.root.is_dir():
             return
+        for leftover in self.root.rglob(".*.json.*"):   # a write_json_atomic a kill stopped mid-way
+            if re.fullmatch(r"\..+\.json\.[0-9a-f]{8}", leftover.name):
+                leftover.unlink(missing_ok=True)
         for path in sorted(self.root.rglob("*.json")):
             if path.name.startswith("."):
                 continue

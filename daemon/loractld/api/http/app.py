@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from loractl import __version__
-from loractl.errors import LoractlError
+from loractl.errors import LoractlError, of_os_error
 from loractld.api import ollama
 from loractld.trust import audit
 from loractld.api.http import models
@@ -139,6 +139,8 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> Response:
+        if isinstance(known := of_os_error(e), LoractlError):   # a full disk: the user's to fix, not ours
+            return await domain_error(request, known)
         _log.error("unexpected error in %s %s", request.method, request.url.path, exc_info=e)
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "See the daemon's log.",
                               code="internal")

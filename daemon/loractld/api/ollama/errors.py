@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from loractl.errors import LoractlError, one_line
+from loractl.errors import LoractlError, of_os_error, one_line
 from loractld.api.http.errors import HttpError, from_domain
 
 
@@ -35,6 +35,7 @@ def shaped(status_body: dict) -> dict:
 
 def line(error: BaseException) -> dict:
     """An exception as the last line of an NDJSON stream."""
+    error = of_os_error(error)
     if isinstance(error, LoractlError):
         error = from_domain(error)
     if isinstance(error, HttpError):
