@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import httpx
 import ollama
@@ -100,6 +101,46 @@ def test_held_blobs_outlive_another_creates_removal_and_leftovers_go_at_start(tm
     assert folder.is_dir()                       # as a kill -9 mid-create leaves it
     Blobs(tmp_path, max_blob_bytes=100, quota_bytes=200, check_free_space=lambda n: None)
     assert not list((tmp_path / ".blobs").iterdir())
+
+
+def test_a_trickled_upload_is_cut_at_its_deadline_and_gives_its_quota_back(tmp_path):
+    """Issue 60, item 20: the body timeout is per body, not per piece. A declared 50-byte blob
+    sent a byte every 0.1 s (each piece well within 0.5 s) is cut with 408 after about 0.5 s;
+    until then it holds the quota, and another upload that needs that room is refused; after it,
+    that upload goes through."""
+    from loractl.errors import InvalidRequest
+    from loractld.api.http.errors import HttpError
+    from loractld.api.ollama.create import CreateDoor
+    from loractld.store.blobs import Blobs
+
+    blobs = Blobs(tmp_path, max_blob_bytes=100, quota_bytes=60, check_free_space=lambda n: None)
+    door = CreateDoor(core=None, body_timeout_s=0.5)
+
+    class Trickle:
+        async def stream(self):
+            for _ in range(50):
+                await asyncio.sleep(0.1)
+                yield b"x"
+
+    other = b"y" * 20
+
+    async def both():
+        trickled = asyncio.create_task(blobs.write("sha256:" + hashlib.sha256(b"x" * 50).hexdigest(),
+                                                   door._chunks(Trickle(), 50), 50))
+        await asyncio.sleep(0.2)
+        with pytest.raises(InvalidRequest, match="quota"):   # the trickle holds 50 of the 60 bytes
+            await blobs.write("sha256:" + hashlib.sha256(other).hexdigest(), _pieces(other), len(other))
+        started = time.monotonic()
+        with pytest.raises(HttpError) as cut:
+            await trickled
+        return cut.value, time.monotonic() - started
+
+    async def _pieces(content):
+        yield content
+    cut, waited = asyncio.run(both())
+    assert cut.status == 408 and "--http-body-timeout" in cut.hint and waited < 1.0, (cut, waited)
+    assert _upload(blobs, other)   # the quota it held is free again
+    assert [p.name for p in (tmp_path / ".blobs").iterdir()] == ["sha256-" + hashlib.sha256(other).hexdigest()]
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 CREATE_FIELDS = {"model", "name", "from", "files", "adapters", "system", "template", "parameters", "messages",
                  "license", "stream", "quantize", "modelfile", "path"}
+BLOB_RATE_FLOOR = 16 << 20   # bytes/s an upload keeps above past its first --http-body-timeout
 _SIMPLE_TYPES = ("text/plain", "multipart/form-data", "application/x-www-form-urlencoded")
 _HINT = ("Send the daemon's API key (--api-key-file), or call as root, the daemon's user or a member of its "
          "socket group (as loractl pull/create would).")
@@ -102,24 +103,32 @@ class CreateDoor:
         declared = request.headers.get("content-length", "")
         async with policy.authorized(caller, self.core.socket_gid, "upload", f"sha256:{hex_}",
                                      refusal="upload blobs over HTTP", hint=_HINT):
-            created = await blobs.write(f"sha256:{hex_}", self._chunks(request),
-                                        int(declared) if declared.isdigit() else None)
+            size = int(declared) if declared.isdigit() else None
+            created = await blobs.write(f"sha256:{hex_}", self._chunks(request, size), size)
         return Response(status_code=201 if created else 200)
 
-    async def _chunks(self, request: Request) -> AsyncIterator[bytes]:
-        """The body, each piece within the body timeout (a stalled upload holds nothing)."""
+    async def _chunks(self, request: Request, declared: int | None = None) -> AsyncIterator[bytes]:
+        """The body, whole within its deadline: ``--http-body-timeout``, plus the time its size
+        (declared, else what has arrived) takes at :data:`BLOB_RATE_FLOOR`. A deadline per body,
+        not per piece: a trickle of a byte every few seconds is cut (408) and gives back the
+        quota its declared size holds, while a 2 GiB adapter sent at disk speed arrives whole."""
+        loop = asyncio.get_running_loop()
+        started, received = loop.time(), 0
         stream = request.stream()
         while True:
+            allowed = self.body_timeout_s + (declared if declared is not None else received) / BLOB_RATE_FLOOR
             try:
-                async with asyncio.timeout(self.body_timeout_s):
+                async with asyncio.timeout_at(started + allowed):
                     chunk = await anext(stream)
             except StopAsyncIteration:
                 return
             except TimeoutError as e:
-                raise HttpError(408, f"the upload stalled for {self.body_timeout_s:g} s", "Send the file at once, "
-                                "or raise loractld --http-body-timeout.", code="body_timeout",
+                raise HttpError(408, f"the upload did not arrive within {allowed:.3g} s (--http-body-timeout "
+                                f"{self.body_timeout_s:g} s, plus its size at {BLOB_RATE_FLOOR >> 20} MiB/s)",
+                                "Send the file at once, or raise loractld --http-body-timeout.", code="body_timeout",
                                 headers={"Connection": "close"}) from e
             if chunk:
+                received += len(chunk)
                 yield chunk
 
     # -- copy ------------------------------------------------------------------------------
