@@ -183,6 +183,11 @@ def test_merges_through_the_socket_answer_as_peft_merges(rig, served, demo):
     assert {(s["name"], s["weight"]) for s in two["merge"]["sources"]} == set(MERGES["m/two"].items())
     shown = rig.ok("show", "m/two").stdout
     assert "merged" in shown and "cat (exact)" in shown and "m/rslora × 0.3" in shown, shown
+    # Each source by the revision ls and show give it (issue 60, item 9): one identifier.
+    for source in two["merge"]["sources"]:
+        revision = json.loads(rig.ok("show", source["name"], "--json").stdout)["revision"]
+        assert source["revision"] == revision and f"{source['name']} × {source['weight']:g} (revision " \
+            f"{revision.split(':', 1)[-1][:12]})" in shown, (source, revision, shown)
 
     async def scenario():
         async with Client(rig.daemon.socket) as client:

@@ -43,7 +43,8 @@ class ProfileView:
 @dataclass
 class MergeView:
     """How a merged adapter was made (``loractl merge``): its sources ({"name", "digest",
-    "weight"}), the method (cat: exact; svd: approximate) and, for svd, the measured relative
+    "weight", "revision"}: the source's content digest, and its revision as ``ls`` shows it),
+    the method (cat: exact; svd: approximate) and, for svd, the measured relative
     Frobenius error of its delta."""
 
     method: str = ""
@@ -57,8 +58,8 @@ class MergeView:
             return None
         return cls(method=str(merged.get("method", "")), rank=int(merged.get("rank") or 0),
                    relative_error=float(merged.get("relative_error") or 0),
-                   sources=[{"name": s["name"], "digest": s["digest"], "weight": float(s["weight"])}
-                            for s in merged.get("sources", [])])
+                   sources=[{"name": s["name"], "digest": s["digest"], "weight": float(s["weight"]),
+                             "revision": str(s.get("revision") or "")} for s in merged.get("sources", [])])
 
 
 @dataclass

@@ -82,9 +82,9 @@ def lines(moved: dict[str, Any]) -> list[str]:
                    f"{row['evictions_per_s']:>12.1f}")
     shown = moved.get("prefetch", {})
     out.append("prefetch   " + "  ".join(f"{result} {shown.get(result, 0)}" for result in PREFETCH))
-    waited = [f"{kind} {w['requests']} requests, mean {w['mean_s']:.3f} s"
+    waited = [f"for a {kind} {w['requests']} requests, mean {w['mean_s']:.3f} s"
               for kind, w in moved["waits"].items() if w["requests"]]
-    out.append("waited for a " + ("; ".join(waited) if waited else "- (no request in this refresh)"))
+    out.append("waited     " + ("; ".join(waited) if waited else "no request waited in this refresh"))
     return out
 
 

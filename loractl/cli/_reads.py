@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Any
 
-from loractl.cli._output import human_bytes, print_json, with_client
+from loractl.cli._output import human_bytes, print_json, short_revision, with_client
 from loractl.cli.listing import ago
 
 
@@ -176,7 +176,9 @@ def merge_rows(merged: dict | None) -> list[tuple[str, str]]:
         return []
     method = merged["method"] + (" (exact)" if merged["method"] == "cat" else
                                  f" (approximate: relative error {merged['relative_error']:.2e})")
-    return [("merged", method)] + [("from", f"{s['name']} × {s['weight']:g} (sha256:{s['digest'][:16]}…)")
+    # The source's revision as ls and show give it; a merge made before it was recorded: its content digest.
+    return [("merged", method)] + [("from", f"{s['name']} × {s['weight']:g} (revision "
+                                            f"{short_revision(s.get('revision') or 'sha256:' + s['digest'])})")
                                    for s in merged.get("sources", [])]
 
 

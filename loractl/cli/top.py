@@ -62,15 +62,22 @@ def render(status: dict[str, Any], adapters: list[dict[str, Any]], rates: dict[s
              f"requests: {len(running)} running, {len(waiting)} waiting for a device slot"
              f" (admission {gate.get('policy') or '-'}); KV cache "
              + (f"{kv * 100:.1f}% used" if kv is not None else "use unknown"), ""]
+    stored = [a for a in adapters if a.get("kind") != "profile"]   # a profile holds no slot and no file of its own
     tiers = {"device": [], "host": [], "disk": []}
-    for a in adapters:
+    in_slot: dict[int, list[str]] = {}
+    for a in stored:
         pin = a.get("pin") or ("host" if a.get("pinned") else "")
-        tiers.setdefault(a["tier"], []).append(a["name"] + (f" [pin {pin}]" if pin else ""))
+        shown = a["name"] + (f" [pin {pin}]" if pin else "")
+        if a["tier"] == "device" and int(a.get("slot", -1)) >= 0:
+            in_slot.setdefault(int(a["slot"]), []).append(shown)   # copies that share content share a slot
+        else:
+            tiers.setdefault(a["tier"], []).append(shown)
+    tiers["device"] = [" = ".join(names) for _, names in sorted(in_slot.items())] + tiers["device"]
     lines.append(f"device  {cap['device_used']}/{cap['device_slots']} slots  " + (", ".join(tiers["device"]) or "-"))
     lines.append(f"host    {cap['host_used']}/{cap['host_slots']} slots  " + (", ".join(tiers["host"]) or "-"))
     # Only the first few: with thousands of adapters on disk the line would fill the screen.
     disk = tiers["disk"]
-    lines.append(f"disk    {len(adapters)} adapters  " + (", ".join(disk[:DISK_SHOWN]) or "-")
+    lines.append(f"disk    {len(stored)} adapters  " + (", ".join(disk[:DISK_SHOWN]) or "-")
                  + (f", ... {len(disk) - DISK_SHOWN} more" if len(disk) > DISK_SHOWN else ""))
     if exchange is not None:
         lines += ["", *_exchange.lines(exchange)]

@@ -522,14 +522,16 @@ class Merge(_message.Message):
     def __init__(self, method: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[MergeSource, _Mapping]]] = ..., rank: _Optional[int] = ..., relative_error: _Optional[float] = ...) -> None: ...
 
 class MergeSource(_message.Message):
-    __slots__ = ("name", "digest", "weight")
+    __slots__ = ("name", "digest", "weight", "revision")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     name: str
     digest: str
     weight: float
-    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    revision: str
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., weight: _Optional[float] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class MergeRequest(_message.Message):
     __slots__ = ("name", "sources", "method", "svd_rank", "force")

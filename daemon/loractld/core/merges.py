@@ -134,7 +134,8 @@ class MergeOps:
                     facts = catalog.puller.validate(staged, any(a.manifest.get("forced") for _, _, a in stored))
                     asyncio.run_coroutine_threadsafe(catalog.preflight.check(staged, digest, name), loop).result()
                     merged = {"method": method, "rank": report.rank, "relative_error": report.relative_error,
-                              "sources": [{"name": a.name, "digest": d, "weight": w} for d, w, a in stored]}
+                              "sources": [{"name": a.name, "digest": d, "weight": w,
+                                           "revision": str(a.manifest.get("revision") or "")} for d, w, a in stored]}
                     manifest = {
                         "name": name, "source": "merge", "ref": _ref(stored, method, svd_rank),
                         "revision": "sha256:" + digest, "files": records, "pulled_at": time.time(),
