@@ -122,6 +122,10 @@ def test_svd_is_approximate_and_says_how_much(made, tmp_path):
     measured = math.sqrt(sum(float(np.sum((got[m] - want[m]) ** 2)) for m in want) /
                          sum(float(np.sum(want[m] ** 2)) for m in want))
     assert abs(measured - cut.relative_error) < 1e-4
+    for module, delta in want.items():   # the best rank-2 approximation: a full SVD's truncation (Eckart-Young)
+        u, sv, vt = np.linalg.svd(np.asarray(delta, dtype=np.float64), full_matrices=False)
+        best = (u[:, :2] * sv[:2]) @ vt[:2]
+        assert np.abs(got[module] - best).max() <= 1e-4 * max(1.0, float(np.abs(best).max())), module
 
 
 @pytest.mark.parametrize("edit,needle", [

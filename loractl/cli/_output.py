@@ -95,6 +95,33 @@ def waiting_notice(what: str = "the engine to start"):
     return StartupNotice(f"waiting for {what}")
 
 
+@contextlib.contextmanager
+def working(what: str):
+    """A spinner with ``what`` and the seconds so far on a terminal's stderr while the body runs
+    (a merge, a create: seconds with nothing to show otherwise); nothing in a pipe."""
+    err = __getattr__("stderr")
+    if not err.is_terminal:
+        yield
+        return
+    import time
+
+    started = time.monotonic()
+    with err.status(what) as shown:
+        import threading
+
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                shown.update(f"{what} ({time.monotonic() - started:.0f} s)")
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+
+
 def _end_progress_line() -> None:
     progress = sys.modules.get("loractl.cli._progress")
     if progress is not None:

@@ -10,6 +10,7 @@ import typer
 
 from loractl.cli._common import HomeOpt, JsonOpt, SocketOpt, fail, print_json, short_revision, stdout, with_client
 from loractl.cli._complete import adapter_names
+from loractl.cli._output import working
 from loractl.errors import InvalidRequest
 
 
@@ -56,7 +57,9 @@ def merge(
         loractl merge small/v1 a/v1 b/v1 --svd-rank 8
     """
     pairs = [weighted(term) for term in sources]
-    reply = with_client(socket, home, lambda client: client.merge(name, pairs, svd_rank=svd_rank, force=force))
+    method = f"svd, rank {svd_rank}" if svd_rank else "cat"
+    with working(f"merging {len(pairs)} adapters into {name} ({method})"):
+        reply = with_client(socket, home, lambda client: client.merge(name, pairs, svd_rank=svd_rank, force=force))
     if json_output:
         print_json(reply)
         return

@@ -267,10 +267,18 @@ def _concatenated(np, module, loaded, weights, scales, rank):
 
 
 def _truncated(np, module, loaded, weights, scales, rank):
-    delta = sum(source.pairs[module]["B"].astype(np.float64) @ source.pairs[module]["A"].astype(np.float64)
-                * (weight * scale[module])
-                for source, weight, scale in zip(loaded, weights, scales) if module in source.pairs)
-    u, s, vt = np.linalg.svd(delta, full_matrices=False)
+    b_all = np.concatenate([source.pairs[module]["B"].astype(np.float64) * (weight * scale[module])
+                            for source, weight, scale in zip(loaded, weights, scales) if module in source.pairs], axis=1)
+    a_all = np.concatenate([source.pairs[module]["A"].astype(np.float64)
+                            for source in loaded if module in source.pairs], axis=0)
+    delta = b_all @ a_all   # sum_i w_i s_i B_i A_i
+    # delta's rank is at most the rank sum R: its SVD from two thin QRs and the SVD of an R x R
+    # core (exact) instead of a full SVD of delta (d^3 per module: 36 s for three rank-8
+    # adapters of a 135M model, issue 60, item 12; this is milliseconds).
+    qb, rb = np.linalg.qr(b_all)
+    qa, ra = np.linalg.qr(a_all.T)
+    core_u, s, core_vt = np.linalg.svd(rb @ ra.T)
+    u, vt = qb @ core_u, core_vt @ qa.T
     kept = min(rank, s.shape[0])
     b = np.zeros((delta.shape[0], rank))
     a = np.zeros((rank, delta.shape[1]))
