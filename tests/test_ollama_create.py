@@ -24,7 +24,7 @@ import httpx
 import ollama
 import pytest
 
-from conftest import collect
+from conftest import BIN, collect
 from loractl.paths import layout
 from test_ollama import NOBODY
 
@@ -330,15 +330,51 @@ def test_four_creates_at_once_from_the_same_blobs_all_succeed(created):
         rig.ok("rm", f"quad{i}-adapter")
 
 
-def test_the_profile_survives_a_restart(created):
+def _many_adapters(rig, folder, count: int) -> Path:
+    """A Modelfile of ``count`` distinct folder ADAPTERs (same weights, other configs), each pulled."""
+    source = rig.root / "tiny" / "adapters" / SOURCE
+    lines = ["FROM tiny"]
+    for i in range(count):
+        copy = folder / f"a{i}"
+        shutil.copytree(source, copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        config["lora_dropout"] = i / 100
+        config["rank_pattern"] = {module: config["r"] for module in config["target_modules"]}
+        (copy / "adapter_config.json").write_text(json.dumps(config))
+        lines.append(f"ADAPTER {copy}=0.1")
+    (folder / "M").write_text("\n".join(lines) + "\n")
+    return folder / "M"
+
+
+def test_a_kill_mid_create_is_undone_at_start_and_the_profile_survives(created, tmp_path):
+    """Issue 60, items 16 and 19: ``kill -9`` of the daemon mid-create left the adapters it had
+    pulled (240 of 1,000) and ``.blobs/.assembled-*`` for good. Killed after its 2nd pull's
+    install, the next start removes what that create pulled, and the leftovers; the profile made
+    before answers as it did."""
     rig, _ = created
     before = _plain(rig)["text"]
-    rig.daemon.stop()
+    modelfile = _many_adapters(rig, tmp_path, 12)
+    log_at = rig.daemon.log.stat().st_size
+    create = subprocess.Popen([str(BIN / "loractl"), "create", "kx", "-f", str(modelfile), "--socket",
+                               str(rig.daemon.socket)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while rig.daemon.log.read_bytes()[log_at:].count(b"DOWNLOADED_TO_DISK kx-adapter") < 2:
+        assert create.poll() is None and time.monotonic() < deadline, (create.communicate(), rig.daemon.log_tail())
+        time.sleep(0.02)
+    rig.arm.write_text("store-installed")   # the next install kills the daemon, as kill -9 would
+    assert rig.daemon.proc.wait(120) == -9, rig.daemon.log_tail()
+    create.communicate(timeout=60)
+    pulled = {p.name for p in layout(rig.root).store_dir.iterdir() if p.is_symlink() and p.name.startswith("kx")}
+    assert len(pulled) >= 2, pulled     # what the kill left, before the restart
     leftover = layout(rig.root).store_dir / ".blobs" / ".assembled-0123456789abcdef"
     leftover.mkdir(parents=True)
     (leftover / "adapter_model.safetensors").write_bytes(b"left by kill -9 mid-create")
     rig.start()
-    assert not leftover.exists()    # issue 60, item 19: cleared at start, not kept for good
+    listed = {a["name"] for a in json.loads(rig.ok("ls", "--json").stdout)}
+    assert not {n for n in listed if n.startswith("kx")}, sorted(listed)
+    assert "a create the last run never finished had pulled it" in rig.daemon.log.read_text(errors="replace")
+    assert not leftover.exists()
     client = ollama.Client(host=rig.http, timeout=300)
     assert "bard:latest" in {m.model for m in client.list().models}
     assert client.chat(model="bard", messages=QUESTION).message.content == before
+    assert not list((layout(rig.root).store_dir / ".creates").glob("*"))

@@ -42,12 +42,14 @@ from loractld.core import Catalog, Core
 from loractld.engine.client import Engine, EngineSettings
 from loractld.publisher import Publisher
 from loractld.store.preflight import Preflight
+from loractld.store.profiles import Profiles
 from loractld.startup import Report, last_engine_start, record_engine_start
 from loractld.store.pulls import Puller
 from loractld.store.sources import load_sources
 from loractld.store import formats, rank_limit
 from loractld.store.blobs import clear_leftovers
 from loractld.store.copies import SNAPSHOT_BUDGET
+from loractld.store.create_journal import undo_unfinished
 from loractld.store.disk import Store, remove_partial_writes
 from loractld.systemd import SystemdEnv
 from loractld.serving.pins import PersistentState
@@ -152,6 +154,9 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
     for leftover in clear_leftovers(store_dir):
         _log.info("removed a leftover of an interrupted upload or create: %s", leftover)
+    profiles = Profiles(store_dir)
+    for name in undo_unfinished(store, profiles):
+        _log.info("removed %s: a create the last run never finished had pulled it", name)
     store.stamp_format()
     adapters = store.list()
     limit = rank_limit.from_store(adapters, settings.engine.max_lora_rank)
@@ -166,7 +171,7 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     preflight = Preflight()
     catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes),
                       puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight,
-                      max_lora_rank=limit.rank)
+                      max_lora_rank=limit.rank, profiles=profiles)
     _log.info("store %s: %d adapter(s); base model %s (shapes %s); max LoRA rank %d", store_dir, len(adapters), model,
               "known" if base.shapes else "unknown", limit.rank)
     return catalog

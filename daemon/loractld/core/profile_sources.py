@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 from loractl.errors import AdapterNotFound, InvalidRequest, LoractlError
 from loractl.names import NAME_RE, colon_weight, validate_name
 from loractld.core import policy
+from loractld.store.create_journal import CreateJournal
 from loractld.store.modelfile import Modelfile, refused
 from loractld.store.sources import parse_hub_ref, pick_source
 
@@ -76,12 +77,16 @@ class CreatePulls:
         self.core = core
         self.caller = caller
         self.new: list[str] = []
+        self.journal: CreateJournal | None = None   # the new names on disk: a kill's are undone at start
 
     async def pull(self, ref: str, name: str) -> AsyncIterator[PullEvent]:
         """``loractl pull REF --name NAME``'s events, the name recorded when it was not stored."""
         catalog = await self.core._wait_catalog()
         if not await asyncio.to_thread(catalog.store.has, name) and name not in self.new:
-            self.new.append(name)   # before the pull: a cancel after its install still undoes it
+            # Before the pull: a cancel after its install still undoes it, and a kill the next start.
+            self.journal = self.journal or CreateJournal(catalog.store.root)
+            await asyncio.to_thread(self.journal.record, name)
+            self.new.append(name)
         authorized = policy.authorized(self.caller, self.core.socket_gid, "pull", f"{ref} as {name}",
                                        refusal="pull adapters on this daemon",
                                        hint="Ask the daemon's owner to pull it, then name it in ADAPTER.") \
@@ -105,6 +110,12 @@ class CreatePulls:
             except LoractlError as e:   # logged: the create's own error is what its caller hears
                 _log.warning("create failed, and %s, which it had pulled, could not be removed: %s", name, e.message)
         self.new.clear()
+        self.close()
+
+    def close(self) -> None:
+        """The create ended (made, or undone): its record of new names goes."""
+        if self.journal is not None:
+            self.journal.close()
 
 
 @contextlib.asynccontextmanager
@@ -117,6 +128,7 @@ async def undone_on_failure(core, caller: policy.Caller | None = None) -> AsyncI
         # Shielded: a cancelled create (its caller gone) still takes back what it installed.
         await asyncio.shield(pulls.undo())
         raise
+    pulls.close()
 
 
 @contextlib.asynccontextmanager
