@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from conftest import BIN, run_cli, start_daemon, sub_home
 
@@ -48,41 +49,6 @@ def resolve_all(cases: list[dict]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def resolve(argv, env=None):
-    return resolve_all([{"argv": argv, "env": env or {}}])[0]
-
-
-def test_a_vllm_engine_flag_passes_with_vllms_type():
-    args = resolve(["--model", "tiny", "--max-num-batched-tokens", "1k", "--gpu-memory-utilization", "0.5",
-                    "--enforce-eager", "--kv-cache-dtype", "fp8"])
-    # vLLM's own types: its human_readable_int reads 1k as 1000; a float; a BooleanOptionalAction.
-    assert args["engine_args"] == {"max_num_batched_tokens": 1000, "gpu_memory_utilization": 0.5,
-                                   "enforce_eager": True, "kv_cache_dtype": "fp8"}
-    assert args["model"] == "tiny" and args["max_loras"] is None   # loractld's own stay loractld's
-
-
-def test_underscore_spelling_and_equals_as_vllm_reads_them():
-    args = resolve(["--model", "tiny", "--max_num_batched_tokens=384", "--max_num_seqs", "3"])
-    assert args["engine_args"] == {"max_num_batched_tokens": 384}
-    assert args["max_num_seqs"] == 3    # loractld's flag, spelt as vLLM allows
-
-
-def test_config_keys_and_variables_reach_vllms_fields_in_order(tmp_path):
-    file = tmp_path / "loractld.toml"
-    file.write_text('model = "tiny"\nmax-num-batched-tokens = 512\nseed = 7\n'
-                    'speculative-config = { method = "ngram", num_speculative_tokens = 2, prompt_lookup_max = 3 }\n')
-    env = {"LORACTLD_MAX_NUM_BATCHED_TOKENS": "640"}
-    plain, from_env, flag = resolve_all([
-        {"argv": ["--config", str(file)]},
-        {"argv": ["--config", str(file)], "env": env},
-        {"argv": ["--config", str(file), "--max-num-batched-tokens", "768"], "env": env}])
-    assert plain["engine_args"]["max_num_batched_tokens"] == 512 and plain["engine_args"]["seed"] == 7
-    assert plain["engine_args"]["speculative_config"]["num_speculative_tokens"] == 2   # a TOML table, vLLM's JSON type
-    # flag > environment > file, as for loractld's own settings
-    assert from_env["engine_args"]["max_num_batched_tokens"] == 640
-    assert flag["engine_args"]["max_num_batched_tokens"] == 768
-
-
 REFUSED = [
     (["--enable-lora"], "--enable-lora is set by loractld itself", "loractl pull"),
     (["--kv-cache-memory-bytes", "1G"], "--kv-cache-memory-bytes is set by loractld itself", "--kv-cache-memory"),
@@ -95,18 +61,62 @@ REFUSED = [
 ]
 
 
-def test_refused_by_name_with_loractlds_way():
-    answers = resolve_all([{"argv": ["--model", "tiny", *argv]} for argv, _, _ in REFUSED])
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict[str, dict]:
+    """Every case of this module resolved in one fresh interpreter (vLLM's import, seconds, once)."""
+    folder = tmp_path_factory.mktemp("engine-flags")
+    config = folder / "loractld.toml"
+    config.write_text('model = "tiny"\nmax-num-batched-tokens = 512\nseed = 7\n'
+                      'speculative-config = { method = "ngram", num_speculative_tokens = 2, prompt_lookup_max = 3 }\n')
+    typo = folder / "typo.toml"
+    typo.write_text('model = "tiny"\nmax-num-batched-token = 512\n')
+    env = {"LORACTLD_MAX_NUM_BATCHED_TOKENS": "640"}
+    cases = {
+        "typed": {"argv": ["--model", "tiny", "--max-num-batched-tokens", "1k", "--gpu-memory-utilization", "0.5",
+                           "--enforce-eager", "--kv-cache-dtype", "fp8"]},
+        "spelt": {"argv": ["--model", "tiny", "--max_num_batched_tokens=384", "--max_num_seqs", "3"]},
+        "file": {"argv": ["--config", str(config)]},
+        "file+env": {"argv": ["--config", str(config)], "env": env},
+        "file+env+flag": {"argv": ["--config", str(config), "--max-num-batched-tokens", "768"], "env": env},
+        "typo": {"argv": ["--config", str(typo)]},
+        **{f"refused{i}": {"argv": ["--model", "tiny", *argv]} for i, (argv, _, _) in enumerate(REFUSED)},
+    }
+    return dict(zip(cases, resolve_all([{"env": {}, **case} for case in cases.values()])))
+
+
+def test_a_vllm_engine_flag_passes_with_vllms_type(resolved):
+    args = resolved["typed"]
+    # vLLM's own types: its human_readable_int reads 1k as 1000; a float; a BooleanOptionalAction.
+    assert args["engine_args"] == {"max_num_batched_tokens": 1000, "gpu_memory_utilization": 0.5,
+                                   "enforce_eager": True, "kv_cache_dtype": "fp8"}
+    assert args["model"] == "tiny" and args["max_loras"] is None   # loractld's own stay loractld's
+
+
+def test_underscore_spelling_and_equals_as_vllm_reads_them(resolved):
+    args = resolved["spelt"]
+    assert args["engine_args"] == {"max_num_batched_tokens": 384}
+    assert args["max_num_seqs"] == 3    # loractld's flag, spelt as vLLM allows
+
+
+def test_config_keys_and_variables_reach_vllms_fields_in_order(resolved):
+    plain, from_env, flag = resolved["file"], resolved["file+env"], resolved["file+env+flag"]
+    assert plain["engine_args"]["max_num_batched_tokens"] == 512 and plain["engine_args"]["seed"] == 7
+    assert plain["engine_args"]["speculative_config"]["num_speculative_tokens"] == 2   # a TOML table, vLLM's JSON type
+    # flag > environment > file, as for loractld's own settings
+    assert from_env["engine_args"]["max_num_batched_tokens"] == 640
+    assert flag["engine_args"]["max_num_batched_tokens"] == 768
+
+
+def test_refused_by_name_with_loractlds_way(resolved):
+    answers = [resolved[f"refused{i}"] for i in range(len(REFUSED))]
     for (argv, says, hint), answer in zip(REFUSED, answers):
         assert says in answer.get("error", ""), (argv, answer)
         assert hint in answer["hint"], (argv, answer)
     assert "did you mean --gpu-memory-utilization?" in answers[6]["error"]
 
 
-def test_unknown_config_key_named_with_the_closest(tmp_path):
-    file = tmp_path / "loractld.toml"
-    file.write_text('model = "tiny"\nmax-num-batched-token = 512\n')
-    answer = resolve(["--config", str(file)])
+def test_unknown_config_key_named_with_the_closest(resolved):
+    answer = resolved["typo"]
     assert "unknown key 'max-num-batched-token'" in answer["error"]
     assert "did you mean 'max-num-batched-tokens'?" in answer["error"]
 
@@ -130,12 +140,14 @@ def test_loractlds_own_flags_alone_do_not_import_vllm():
 
 
 def test_help_shows_vllms_groups_and_one_group():
-    groups = subprocess.run([str(BIN / "loractld"), "--help=engine"], capture_output=True, text=True, timeout=180)
-    assert groups.returncode == 0, groups.stderr
+    pages = {page: subprocess.Popen([str(BIN / "loractld"), f"--help={page}"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for page in ("engine", "CacheConfig")}   # side by side: each imports vLLM (seconds)
+    (groups, groups_err), (one, _) = (proc.communicate(timeout=180) for proc in pages.values())
+    assert pages["engine"].returncode == 0, groups_err
     for title in ("ModelConfig", "CacheConfig", "ParallelConfig", "SchedulerConfig", "LoRAConfig"):
-        assert title in groups.stdout
-    one = subprocess.run([str(BIN / "loractld"), "--help=CacheConfig"], capture_output=True, text=True, timeout=180)
-    assert "--gpu-memory-utilization" in one.stdout and "--tensor-parallel-size" not in one.stdout
+        assert title in groups
+    assert "--gpu-memory-utilization" in one and "--tensor-parallel-size" not in one
     own = subprocess.run([str(BIN / "loractld"), "--help"], capture_output=True, text=True, timeout=60)
     assert own.stdout.index("--max-loras") < own.stdout.index("vLLM's engine flags")
 

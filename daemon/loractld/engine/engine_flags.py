@@ -104,6 +104,11 @@ def parse_leftovers(argv: list[str], from_file: Mapping[str, Any], from_env: Map
         flag = arg.partition("=")[0]
         if flag in SERVER_FLAGS:
             raise InvalidRequest(f"{flag} is a `vllm serve` flag that loractld does not take", SERVER_FLAGS[flag])
+        # Refused by name before vLLM's import (seconds): an answer as quick as a typo's in loractld's own.
+        name = flag[2:].replace("-", "_") if flag.startswith("--") else ""
+        dest = next((d for d in (name, name.removeprefix("no_")) if d in OWNED and d != "model"), None)
+        if dest is not None:
+            raise InvalidRequest(f"--{dest.replace('_', '-')} is set by loractld itself", OWNED[dest])
     if not argv and not from_file and not from_env:
         return {}
     parser = vllm_parser()
