@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q --durations=15 "$@"
+# Two workers (pytest-xdist), each running whole files: a daemon's start is mostly one core's
+# imports, so two at once use the machine's second core; module fixtures start once per file.
+exec .venv/bin/python -m pytest -q -n "${LORACTL_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

@@ -13,6 +13,8 @@ Test modules import helpers from here (``from conftest import run_cli``) or from
 
 from __future__ import annotations
 
+import os
+
 import support_hooks  # noqa: F401 - first: enables the suite's hook for loractld (tests/hooks_plugin)
 import pytest
 
@@ -21,6 +23,13 @@ import pytest
 pytest.register_assert_rewrite("support_daemons", "support_rigs", "support_vllm_server", "support_reference",
                                "support_background")
 pytest_plugins = ["support_daemons", "support_rigs", "support_vllm_server", "support_reference", "support_background"]
+
+# Under pytest-xdist (scripts/test.sh runs two workers on a 2-core machine), each worker's engines
+# put their OpenMP thread on a core of their own: vLLM's default binds every engine to core 0.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and len(os.sched_getaffinity(0)) >= 2:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(sorted(os.sched_getaffinity(0))[
+        int(_WORKER[2:]) % len(os.sched_getaffinity(0))]))
 
 # The names test modules import from conftest: fixtures are not among them (pytest finds those in
 # the plugins above; a fixture imported here would be registered twice).

@@ -100,7 +100,9 @@ class Rig:
     def __init__(self, root: Path, hosts: int = 2) -> None:
         self.root = root
         self.hosts = hosts
-        self.n = 100 + os.getpid() % 150
+        # Unique among the suite's workers (pytest-xdist runs two at once): their subnets and veths differ.
+        worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+        self.n = 100 + (os.getpid() % 75) * 2 + worker % 2
         self.namespaces: list[str] = []
         self.procs: list[subprocess.Popen] = []
         self.etcd_port = free_port()

@@ -7,7 +7,8 @@ tests/test_install_resolves.py. Registered by conftest (``pytest_plugins``).
 Invariants:
 
 - a job starts only when a test of the module that registered it is selected (after
-  ``-k``/``-m``/paths: ``pytest_collection_finish``), else at the first ``result`` call;
+  ``-k``/``-m``/paths: ``pytest_collection_finish``), else at the first ``result`` call (always
+  so under pytest-xdist, whose workers each collect every module and run only some);
 - jobs run at the lowest CPU and I/O priority (``nice -n 19``, ``ionice -c 3``): they take the
   cycles the suite leaves idle and never slow a timed test; once a test waits for one, it is
   raised back to the suite's own priority (where allowed: root), so the worst case is the time it
@@ -189,6 +190,10 @@ def job(name: str) -> Job:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Under pytest-xdist every worker collects every test, but only one runs a module: a job
+        # starts there, at its first ``result``, while the other worker runs the rest.
         return
     wanted = {item.module.__name__ for item in session.items if getattr(item, "module", None) is not None}
     for j in JOBS.values():
