@@ -100,8 +100,18 @@ def test_a_typo_of_a_stored_name_is_refused_not_pulled(named):
     done = _create(named, "typo", "FROM BASE\nADAPTER sql-exprt/v1=0.7\n")
     assert done.returncode == 4, done.stderr
     assert "Modelfile line 2: ADAPTER 'sql-exprt/v1' is not a stored adapter" in done.stderr
-    assert "Did you mean 'sql-expert/v1'?" in done.stderr and "ADAPTER hf://sql-exprt/v1" in done.stderr
+    assert "Did you mean 'sql-expert/v1'" in done.stderr and "ADAPTER hf://sql-exprt/v1" in done.stderr
     assert "Hub" not in done.stderr.splitlines()[0]
+    assert _names(rig) == before
+
+
+def test_a_typo_of_a_profile_in_an_adapter_line_names_the_profile(named):
+    rig = named[0]
+    before = _names(rig)
+    done = _create(named, "typo2", "FROM BASE\nADAPTER sql-pirat=0.7\n")
+    assert done.returncode == 4, done.stderr
+    assert "Modelfile line 2: ADAPTER 'sql-pirat' is not a stored adapter" in done.stderr, done.stderr
+    assert "Did you mean the profile 'sql-pirate' (FROM sql-pirate)" in done.stderr, done.stderr
     assert _names(rig) == before
 
 

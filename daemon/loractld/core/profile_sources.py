@@ -211,11 +211,14 @@ async def _stored(core, pulls: CreatePulls, profile: str, value: str, line: int,
         # A form a stored name takes, which no stored adapter has: a typo of a stored name is refused
         # (it would pull somebody else's Hub repo); with no close match it is taken as a Hub ref.
         # Closer than other suggestions' 0.6: a Hub repo that merely resembles a stored name is pulled.
-        close = await asyncio.to_thread(functools.partial(core.close_matches, value, adapters_only=True, cutoff=0.8))
+        # Profiles count as close too: a typo of one is no Hub repo either (FROM takes a profile).
+        close = await asyncio.to_thread(functools.partial(core.close_matches, value, cutoff=0.8))
+        close = [c for c in close if c not in core.base_model_names()]
         if close:
             where = f"Modelfile line {line}: " if line else ""
+            named = [f"the profile {c!r} (FROM {c})" if core.profile_of(c) is not None else repr(c) for c in close]
             raise AdapterNotFound(f"{where}ADAPTER {value!r} is not a stored adapter",
-                                  f"Did you mean {' or '.join(repr(c) for c in close)}? To pull a Hub repo of that "
+                                  f"Did you mean {' or '.join(named)}? To pull a Hub repo of that "
                                   f"name, write it as one: ADAPTER hf://{value}.")
     try:
         source = pick_source(catalog.puller.sources, value)
