@@ -188,10 +188,25 @@ def job(name: str) -> Job:
     return JOBS[name]
 
 
+# The longest files first (their pytest-xdist durations on this 2-core machine, each 3-10 min):
+# scripts/test.sh's two workers take whole files in collection order, so these start at once,
+# the builds among them overlap the rest, and the many short files fill in beside them. Longest
+# first is what balances two workers; in the collected order, the builds ran last, alone.
+LONGEST_FIRST = ("test_first_run", "test_wheel", "test_bench_smoke", "test_real_model", "test_real_gguf",
+                 "test_install_resolves", "test_tiers", "test_faults", "test_model_defaults", "test_formats")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if not hasattr(config, "workerinput"):   # one process: the builds overlap from the start anyway
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(getattr(getattr(item, "module", None), "__name__", ""), len(rank)))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(session.config, "workerinput"):   # a pytest-xdist worker (not a pytest it started)
         # Under pytest-xdist every worker collects every test, but only one runs a module: a job
         # starts there, at its first ``result``, while the other worker runs the rest.
         return

@@ -68,8 +68,11 @@ def assert_consistent(rig: Rig) -> dict[str, dict]:
     assert {n for n, a in listed.items() if a["pinned"]} == set(pinned), (pinned, listed)
     # Leftovers: staging folders, temporary links and files, objects no name points to.
     assert not any((store / ".tmp").iterdir())
+    # Copies of folders; the format; what other modules on this rig made (profiles, blobs, a create's record).
     hidden = [p.name for p in store.iterdir() if p.name.startswith(".")
-              and p.name not in (".objects", ".tmp", ".snapshots", ".loractl-store.json")]  # copies of folders; the format
+              and p.name not in (".objects", ".tmp", ".snapshots", ".loractl-store.json", ".profiles", ".blobs",
+                                 ".creates")]
+    assert not list((store / ".creates").glob("*")), "a create's record outlived it"
     hidden += [f"{org.name}/{p.name}" for org in store.iterdir() if not org.name.startswith(".")
                for p in org.iterdir() if p.name.startswith(".")]
     assert not hidden, hidden
