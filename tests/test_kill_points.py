@@ -7,8 +7,8 @@ PID`` or the OOM killer would. After the restart, for every step: the CLI's call
 got one clean error line; the store, the pins and state.json agree; nothing half-installed is
 visible or left on disk; and a generation equals the HF + PEFT reference.
 
-The daemon is conftest's ``rig``: each case runs on the daemon the previous case restarted, so a
-kill point costs one daemon start (about 14 s on two cores). The kills inside an engine step,
+The daemon is a rig of this module's own (conftest's ``Rig``): each case runs on the daemon
+the previous case restarted, so a kill point costs one daemon start (about 14 s on two cores). The kills inside an engine step,
 before anything on disk changed (load to device or host, pin, evict), run with
 LORACTL_TEST_EVERY_KILL_POINT=1 only; those in the steps that change files always run.
 (The engine process killed under the daemon: tests/test_faults.py.)
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RIG_CONTEXT, Rig
+from conftest import RIG_CONTEXT, Rig, sub_home
+from support_daemons import stop_at_end
 
 ADAPTERS = ["poet/v1", "sql-expert/v1"]
 PROBE = ("poet/v1", "hi", 8)  # adapter, prompt, tokens: as in test_faults, so the reference is shared
@@ -40,12 +41,15 @@ def pins(rig: Rig) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kills(rig):
-    """The shared daemon, with the two adapters in its store and nothing pinned."""
+def kills(home):
+    """A rig of this module's own, with the two adapters in its store and nothing pinned: what
+    is checked after each restart is the whole store, and on the shared rig it held whatever
+    the modules run before on that worker had made (profiles, merges, blobs)."""
+    rig = Rig(sub_home(home, "kills"), ("--max-model-len", str(RIG_CONTEXT)))
+    rig.start()
     rig.pull(*ADAPTERS)
-    for name in pins(rig):
-        rig.ok("unpin", name)
-    return rig
+    yield rig
+    stop_at_end(rig.daemon.proc)
 
 
 def probe_is_right(rig: Rig, reference, demo) -> None:
