@@ -72,8 +72,13 @@ def test_a_live_daemon_holding_the_home_counts_as_starting_and_a_dead_one_does_n
         holder.wait()
     assert daemon_exit.starting_pid(layout, sock) is None
     # A pid reused by something that is not a loractld is not a daemon starting either.
-    (short_home / daemon_exit.LOCK_FILE).write_text(f'{{"pid": {os.getppid()}, "socket": "{sock}"}}')
-    assert daemon_exit.starting_pid(layout, sock) is None
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (short_home / daemon_exit.LOCK_FILE).write_text(f'{{"pid": {other.pid}, "socket": "{sock}"}}')
+        assert daemon_exit.starting_pid(layout, sock) is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_the_wait_counts_from_the_last_progress():
