@@ -76,7 +76,14 @@ def test_cpu_lora_ops_give_no_adapter_rows_no_delta_and_match_upstream_elsewhere
     x = torch.randn(tokens, hidden)
     a = torch.randn(slots, 1, rank, hidden)
     b = torch.randn(slots, 1, hidden, rank)
-    upstream = {name: getattr(lora_ops, name) for name in cpu_fixes.REPLACEMENTS}
+    # vLLM's own ops from a fresh copy of their module: an earlier test in this process (a worker
+    # runs many files) may have installed loractl's in the imported one.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_upstream_lora_ops", lora_ops.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    upstream = {name: getattr(fresh, name) for name in cpu_fixes.REPLACEMENTS}
     assert all(op is not cpu_fixes.REPLACEMENTS[name] for name, op in upstream.items())  # the originals
 
     for idx in (torch.tensor([0, -1, 2, -1, 0, 2]), torch.tensor([1] * tokens), torch.tensor([-1] * tokens)):
