@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Two workers (pytest-xdist), each running whole files: a daemon's start is mostly one core's
 # imports, so two at once use the machine's second core; module fixtures start once per file.
-exec .venv/bin/python -m pytest -q -n "${LORACTL_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
+# Files go out in collection order (the longest first: tests/support_background.py), not
+# xdist's default of the most tests first, which left the one-test builds to the end, alone.
+exec .venv/bin/python -m pytest -q -n "${LORACTL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 "$@"
