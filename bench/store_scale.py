@@ -285,6 +285,8 @@ def profile(count: int) -> None:
 
         class Listing(DiskOps, TierOps):   # the core's listing, without an engine
             tiers = None
+            _warming = None
+            _manifest_views: dict = {}
 
             async def _wait_catalog(self):
                 return catalog

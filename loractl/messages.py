@@ -46,7 +46,9 @@ def _plan(descriptor) -> list | None:
                 or (sub is not None and sub.file.name.startswith("google/protobuf/"))):
             plan = None
             break
-        is_map = sub is not None and sub.GetOptions().map_entry
+        # has_options first: GetOptions imports descriptor_pb2 (~1.5 ms of every read command),
+        # and only a map's entry among these messages has options.
+        is_map = sub is not None and sub.has_options and sub.GetOptions().map_entry
         if is_map and sub.fields_by_name["key"].type != FieldDescriptor.TYPE_STRING:
             plan = None   # json_format writes other keys as strings
             break

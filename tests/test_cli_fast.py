@@ -82,7 +82,7 @@ def test_help_env_names_every_variable_typer_and_rich_read():
 
 # The reference: loractl ls as before the fast paths, through Typer, the async Client and rich.
 SLOW_LS = ("import sys\nsys.argv = [{prog!r}, *{argv!r}]\nfrom loractl.cli import listing\n"
-           "listing._quick_list = lambda socket, home: None\nlisting._plain_width = lambda: None\n"
+           "listing._quick_table = lambda socket, home: None\nlisting._plain_width = lambda: None\n"
            "from loractl.cli.app import app\napp()\n")
 LS_REPORT = ("import sys\nimport atexit\natexit.register(lambda: print('LOADED', sorted({m for m in sys.modules "
              "if m in ('asyncio', 'grpclib.client', 'rich', 'typer', 'platformdirs')}), file=sys.stderr))\n")
@@ -97,7 +97,8 @@ def adapter(name: str, **fields):
 ADAPTERS = {
     "four": [adapter(f"demo/adapter-{i}", tier=("device", "host", "disk", "disk")[i], pinned=i == 1, rank=4 << i)
              for i in range(4)],
-    "states": [adapter("x/failed", state="failed"), adapter("x/loading", state="loading", last_used=1.0)],
+    "states": [adapter("x/failed", state="failed"), adapter("x/loading", state="loading", last_used=1.0),
+               adapter("x/checking", state="checking")],
     "long-name": [adapter("org/" + "n" * 60)],
     "hand-placed-odd-name": [adapter("Odd [name]:x:", hand_placed=True)],
     "empty": [],
@@ -215,15 +216,15 @@ def test_plain_table_is_rich_table_or_none(width):
         rows = [(rng.choice(["a/b", "sql-expert/v1", "x" * rng.randint(1, 50)]), rng.choice(["disk", "host", "device"]),
                  rng.choice(["-", "host", "device"]), f"{rng.random() * 999:.1f} KB", str(rng.choice([4, 16, 128])), "0123456789ab",
                  rng.choice(["-", "5s ago", "12d ago"])) for _ in range(rng.randint(1, 4))]
-        states = [rng.choice(["ready", "ready", "failed", "loading"]) for _ in rows]
+        states = [rng.choice(["ready", "ready", "failed", "loading", "checking"]) for _ in rows]
         min_widths = (min(40, max(len(r[0]) for r in rows)), 7, 6, 8, 4, 12, 7)
         console = Console(file=io.StringIO(), width=width, highlight=False, color_system=None)
         table = Table(box=None, pad_edge=False, header_style="bold")
         for header, min_width in zip(COLUMNS, min_widths):
             table.add_column(header, no_wrap=True, min_width=min_width)
         for row, state in zip(rows, states):
-            table.add_row(row[0], {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]"}.get(state, row[1]),
-                          *row[2:])
+            table.add_row(row[0], {"failed": "[red]failed[/]", "loading": "[yellow]loading[/]",
+                                   "checking": "[yellow]checking[/]"}.get(state, row[1]), *row[2:])
         console.print(table)
         plain = plain_table(rows, states, min_widths, width)
         if plain is not None:

@@ -41,6 +41,10 @@ def test_the_entry_follows_pulls_and_removals_without_listing_the_store(tmp_path
     core = SimpleNamespace(catalog=catalog, events=EventBus(), http_url="", model_label="tiny",
                            engine=SimpleNamespace(settings=settings.engine, device="cpu"),
                            tiers=SimpleNamespace(last_state=EngineState()))
+
+    async def nothing_checked_in_background() -> bool:   # as Core's, with no listing left to check
+        return False
+    core.checked_in_background = nothing_checked_in_background
     listings = []
     real_list = catalog.store.list
     catalog.store.list = lambda: listings.append(1) or real_list()   # counts, lists as before
@@ -60,6 +64,7 @@ def test_the_entry_follows_pulls_and_removals_without_listing_the_store(tmp_path
 
     async def scenario() -> None:
         publisher = Publisher(core, home=str(tmp_path), socket_path=str(tmp_path / "d.sock"))
+        await publisher.refresh()   # as loractld.lifecycle does before READY
         publisher.start()
         try:
             await until(["org/a", "org/b"], 30)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from grpclib.server import Server
 
-from loractl import daemon_exit, paths
+from loractl import __version__, daemon_exit, paths
 from loractl.errors import EngineUnavailable, LoractlError
 from loractld.engine import pidfile as enginepid
 from loractld.home_claim import claim_socket_path, lock_home
@@ -56,7 +56,8 @@ from loractld.serving.pins import PersistentState
 from loractld.serving.keep_alive import KeepAlive, resolve_idle
 from loractld.serving.keep_alive import describe as describe_idle
 from loractld.serving.tiers import Tiers
-from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES, validate_adapter
+from loractld.store.known import validation_fingerprint
+from loractld.store.validate import DEFAULT_MAX_WEIGHTS_BYTES, VALIDATION_VERSION, validate_adapter
 
 if TYPE_CHECKING:
     from loractld.api.http.server import HttpFrontEnd
@@ -168,8 +169,20 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
                                 model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes,
                                 base_experts=base.experts)
 
+    fingerprints: dict[tuple, str] = {}
+
+    def fingerprint() -> str:
+        """What ``validate`` checks against now (the shapes can come after the engine's download:
+        ``refresh_shapes``), for the facts kept across starts (``store.known``)."""
+        now = (id(base.shapes), len(base.names), base.experts)
+        if now not in fingerprints:
+            fingerprints.clear()
+            fingerprints[now] = validation_fingerprint(VALIDATION_VERSION, __version__, limit.rank, base.shapes or {},
+                                                       base.names, base.experts, settings.max_adapter_bytes)
+        return fingerprints[now]
+
     preflight = Preflight()
-    catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes),
+    catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes, fingerprint),
                       puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight,
                       max_lora_rank=limit.rank, profiles=profiles)
     _log.info("store %s: %d adapter(s); base model %s (shapes %s); max LoRA rank %d", store_dir, len(adapters), model,
@@ -278,7 +291,8 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
     server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
     grpc_deadlines.install()
     quiet_hang_ups()   # a client that hangs up when it has its answer is no INFO line
-    server = server_class([LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)])
+    service = LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)
+    server = server_class([service])
     if activated is not None:
         await server.start(sock=activated)
         _log.info("listening on %s (socket activation)", sock_path)
@@ -363,11 +377,16 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             # Every door's requests are rendered by vLLM's serving classes: built (and their
             # renderer warmed) before READY, not by the first requests, which would all wait on it.
             await core.openai_surface()
+            # What the first `ls` would build (1 s of it at 10,000 adapters): built before READY.
+            await service.prewarm()
             core.startup.finish()
             _freeze_startup_heap()
             tiers.start_following()
             dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
+            # `status` says ready from here, with READY=1: a command that waited for it finds the
+            # listing built and the heap frozen, not the daemon still doing both.
+            core.set_started()
             publisher.set_ready(True)
             publisher.start()
             def ready_status() -> str:
@@ -410,6 +429,9 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             await asyncio.wait_for(server.wait_closed(), timeout=5)
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
+        if core.catalog is not None:   # what this run validated, for the next start (store.known)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(core.catalog.store.save_known)
             enginepid.forget(layout.state_dir)
         if activated is None:
             sock_path.unlink(missing_ok=True)  # an activated socket belongs to systemd

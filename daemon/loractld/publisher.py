@@ -140,12 +140,11 @@ class Publisher:
         self._warming = asyncio.create_task(self._warm())
 
     async def _warm(self) -> None:
-        """Validate every stored adapter off the loop after READY, not before (10,000 took 6 s of
-        start-up), then write the entry again with any that failed."""
-        catalog = self.core.catalog
-        if catalog is not None:
-            stored = await asyncio.to_thread(catalog.store.list)
-            await asyncio.to_thread(catalog.resolver.warm, [a.name for a in stored])
+        """The entry written before READY lists adapters not validated yet by their content's id
+        (``resolver.known``): once the background validation that start-up's listing left
+        (``DiskOps.warm_in_background``; 10,000 new adapters take 6 s) is done, it is written
+        again with any that failed."""
+        if await self.core.checked_in_background():
             await self.refresh()
 
     async def _follow(self) -> None:

@@ -79,7 +79,7 @@ class AdapterView:
     files: list[dict] = field(default_factory=list)    # {"name", "size", "sha256"}
     path: str = ""
     hand_placed: bool = False
-    state: str = "ready"        # ready, loading, failed (see error)
+    state: str = "ready"        # ready, loading, failed (see error), checking (not validated yet)
     error: str = ""
     tier: str = "disk"          # device, host or disk: what the engine really holds
     pinned: bool = False

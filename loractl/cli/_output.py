@@ -15,6 +15,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from loractl.cli._units import human_bytes, short_revision  # noqa: F401  (re-exported)
 from loractl.errors import LoractlError
 
 if TYPE_CHECKING:
@@ -234,13 +235,3 @@ def _emit(value: Any, newline: str, put: Callable[[str], Any]) -> None:
         raise _NotPlain
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def short_revision(revision: str) -> str:
-    return revision.split(":", 1)[-1][:12]

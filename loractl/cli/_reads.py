@@ -8,13 +8,23 @@ otherwise; either way it renders the same dict the same way.
 
 from __future__ import annotations
 
-import datetime
 import re
 import sys
-from typing import Any
 
-from loractl.cli._output import human_bytes, print_json, short_revision, with_client
-from loractl.cli.listing import ago
+from loractl.cli._units import ago, human_bytes, short_revision
+
+# typing's import is ~4 ms of a command that prints a table; the annotations are never evaluated.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def _output():
+    """``loractl.cli._output``, imported where a command falls back to ``Client`` or prints
+    JSON (errors, json and typing: ~5 ms no table needs)."""
+    from loractl.cli import _output
+
+    return _output
 
 
 def _status(socket: str | None, home: str | None) -> dict[str, Any]:
@@ -22,7 +32,7 @@ def _status(socket: str | None, home: str | None) -> dict[str, Any]:
     from loractl.v1 import loractl_pb2 as pb
 
     info = reply(socket, home, "/loractl.v1.Loractl/Status", pb.StatusRequest(), pb.StatusReply)
-    return info if info is not None else with_client(socket, home, lambda client: client.status())
+    return info if info is not None else _output().with_client(socket, home, lambda client: client.status())
 
 
 def status_report(socket: str | None, home: str | None, json_output: bool, info: dict[str, Any] | None = None) -> None:
@@ -32,7 +42,7 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
     # The engine settings in effect as an object under vLLM's own names (the wire has its text).
     engine["engine_args"] = _engine_args(engine.pop("engine_args_json", ""))
     if json_output:
-        print_json(info)
+        _output().print_json(info)
         return
     table = Pairs()
     # asleep: the engine gave its memory back after --keep-alive idle; the next request wakes it.
@@ -103,7 +113,7 @@ def requests_report(socket: str | None, home: str | None, json_output: bool) -> 
                       key=lambda r: (r["state"] != "queued", r.get("position", 0), -r.get("age_s", 0.0)))
     adapters = gate.get("adapters", [])
     if json_output:
-        print_json({"adapters": adapters, "requests": requests})
+        _output().print_json({"adapters": adapters, "requests": requests})
         return
     if not requests:
         sys.stdout.write("no requests in flight\n")  # what rich prints, without its import
@@ -136,9 +146,9 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
 
     a = reply(socket, home, "/loractl.v1.Loractl/Show", pb.ShowRequest(name=name), pb.Adapter)
     if a is None:
-        a = with_client(socket, home, lambda client: client.show(name))
+        a = _output().with_client(socket, home, lambda client: client.show(name))
     if json_output:
-        print_json(a)
+        _output().print_json(a)
         return
     table = Pairs(fold=True)
     if a.get("kind") == "profile":
@@ -146,6 +156,8 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
             table.add_row(key, value)
         table.print()
         return
+    import datetime
+
     pulled = datetime.datetime.fromtimestamp(a["pulled_at"]).strftime("%Y-%m-%d %H:%M") if a["pulled_at"] else "-"
     rows = [
         ("name", a["name"]), ("state", a["state"] + (f": {a['error']}" if a["error"] else "")),

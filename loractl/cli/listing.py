@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import sys
-from typing import Any
 
-from loractl.cli._output import human_bytes, print_json, short_revision, with_client
+from loractl.cli._units import ago, human_bytes, short_revision  # noqa: F401  (ago: for the commands that import it here)
+
+# typing's import is ~4 ms of a command that prints a table; the annotations are never evaluated.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 COLUMNS = ("NAME", "TIER", "PIN", "SIZE", "RANK", "REVISION", "USED")
+# States shown in the TIER column instead of the tier (checking: listed before it was validated).
+_STATE_COLOURS = {"failed": "red", "loading": "yellow", "checking": "yellow"}
 # Text rich prints as it is: no markup ([), no emoji codes (:), no wide or control characters.
 _PLAIN_CELL = re.compile(r"[A-Za-z0-9 ._/*+-]*\Z")
 
@@ -21,23 +26,51 @@ def list_adapters(socket: str | None, home: str | None, json_output: bool) -> No
         if text is not None:
             sys.stdout.write(text + "\n")
             return
-    adapters = _quick_list(socket, home)
-    if adapters is None:
-        adapters = with_client(socket, home, lambda client: client.list())
+    else:
+        listed = _quick_table(socket, home)
+        if listed is not None:
+            _print_listing(*listed)
+            return
+    from loractl.cli._output import print_json, with_client
+
+    adapters = with_client(socket, home, lambda client: client.list())
     if json_output:
         print_json(adapters)
         return
     profiles = [a for a in adapters if a.get("kind") == "profile"]
     adapters = [a for a in adapters if a.get("kind") != "profile"]
-    if not adapters and not profiles:
+    _print_listing([_row(a) for a in adapters], [a["state"] for a in adapters], profiles)
+
+
+def _row(a: dict[str, Any]) -> tuple[str, ...]:
+    """One adapter's cells (COLUMNS), from its dict or its message (``_Fields``)."""
+    return (a["name"], a["tier"], a["pin"] or ("host" if a["pinned"] else "-"), human_bytes(int(a["size_bytes"])),
+            str(a["rank"]), short_revision(a["revision"]), ago(a["last_used"]))
+
+
+class _Fields:
+    """A message read as ``_row`` reads a dict: the table's few fields, not all of them (at
+    10,000 adapters their dicts, files and all, were half of ``loractl ls``)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message) -> None:
+        self.message = message
+
+    def __getitem__(self, name: str):
+        return getattr(self.message, name)
+
+
+def _print_listing(rows: list[tuple[str, ...]], states: list[str], profiles: list[dict[str, Any]]) -> None:
+    if not rows and not profiles:
         from loractl.cli._output import stderr
 
         stderr.print("no adapters yet: loractl pull ORG/REPO")
         return
-    if adapters:
-        _adapter_table(adapters)
+    if rows:
+        _adapter_table(rows, states)
     if profiles:
-        sys.stdout.write(("\n" if adapters else "") + profile_table(profiles))
+        sys.stdout.write(("\n" if rows else "") + profile_table(profiles))
         sys.stdout.flush()
 
 
@@ -59,12 +92,9 @@ def describe(profile: dict) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _adapter_table(adapters: list[dict[str, Any]]) -> None:
-    rows = [(a["name"], a["tier"], a.get("pin") or ("host" if a["pinned"] else "-"), human_bytes(int(a["size_bytes"])),
-             str(a["rank"]), short_revision(a["revision"]), ago(a["last_used"])) for a in adapters]
+def _adapter_table(rows: list[tuple[str, ...]], states: list[str]) -> None:
     # Names are what users copy into the next command: they never get cut.
-    min_widths = (min(40, max(len(a["name"]) for a in adapters)), 7, 6, 8, 4, 12, 7)
-    states = [a["state"] for a in adapters]
+    min_widths = (min(40, max(len(row[0]) for row in rows)), 7, 6, 8, 4, 12, 7)
     text = plain_table(rows, states, min_widths, _plain_width()) if _plain_width() else None
     if text is not None:
         sys.stdout.write(text)
@@ -79,20 +109,32 @@ def _adapter_table(adapters: list[dict[str, Any]]) -> None:
     for header, min_width in zip(COLUMNS, min_widths):
         table.add_column(header, no_wrap=True, min_width=min_width)
     for row, state in zip(rows, states):
-        colour = {"failed": "red", "loading": "yellow"}.get(state)
+        colour = _STATE_COLOURS.get(state)
         table.add_row(row[0], Text(state, style=colour) if colour else row[1], *row[2:])
     stdout.print(table)
 
 
-def _quick_list(socket: str | None, home: str | None) -> list[dict[str, Any]] | None:
-    """The adapters, asked without asyncio or grpclib (``loractl.cli._quick``); None when that
-    cannot be done."""
-    from loractl.cli._quick import reply
+def _quick_table(socket: str | None, home: str | None
+                 ) -> tuple[list[tuple[str, ...]], list[str], list[dict[str, Any]]] | None:
+    """The table's rows and states and the profiles, asked without asyncio or grpclib
+    (``loractl.cli._quick``) and read from the reply's messages; None when that cannot be done
+    (tests/test_cli_fast.py compares the two paths' output)."""
+    from loractl.cli._quick import message
     from loractl.v1 import loractl_pb2 as pb
 
-    # As loractl.client.to_dict (tests/test_cli_fast.py compares the two paths' output).
-    answer = reply(socket, home, "/loractl.v1.Loractl/List", pb.ListRequest(), pb.ListReply)
-    return None if answer is None else answer["adapters"]
+    answer = message(socket, home, "/loractl.v1.Loractl/List", pb.ListRequest(), pb.ListReply)
+    if answer is None:
+        return None
+    rows, states, profiles = [], [], []
+    for adapter in answer.adapters:
+        if adapter.kind == "profile":
+            from loractl.messages import to_dict
+
+            profiles.append(to_dict(adapter))
+        else:
+            rows.append(_row(_Fields(adapter)))
+            states.append(adapter.state)
+    return rows, states, profiles
 
 
 def _quick_json(socket: str | None, home: str | None) -> str | None:
@@ -124,7 +166,7 @@ def plain_table(rows: list[tuple[str, ...]], states: list[str], min_widths: tupl
                 width: int) -> str | None:
     """The table exactly as rich prints ``Table(box=None, pad_edge=False)`` of no_wrap columns
     without colour, or None when rich would do more than pad (cut, wrap, interpret markup)."""
-    rows = [(row[0], state if state in ("failed", "loading") else row[1], *row[2:]) for row, state in zip(rows, states)]
+    rows = [(row[0], state if state in _STATE_COLOURS else row[1], *row[2:]) for row, state in zip(rows, states)]
     if not all(_PLAIN_CELL.match(cell) for row in rows for cell in row):
         return None
     last = len(COLUMNS) - 1
@@ -139,13 +181,3 @@ def plain_table(rows: list[tuple[str, ...]], states: list[str], min_widths: tupl
                  for i, cell in enumerate(row)]
         lines.append("".join(cells) + "\n")
     return "".join(lines)
-
-
-def ago(timestamp: float) -> str:
-    if not timestamp:
-        return "-"
-    seconds = max(0, datetime.datetime.now().timestamp() - timestamp)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size:.0f}{unit} ago"
-    return f"{seconds:.0f}s ago"

@@ -67,7 +67,7 @@ class Reports:
         waking (a request woke it), stopping; failed when the engine could not start."""
         if self.draining:
             return "stopping"
-        if self.engine is None:
+        if self.engine is None or not self.started_up:
             return "failed" if self.startup_error is not None else "starting"
         keep_alive = self.keep_alive
         if keep_alive is not None and keep_alive.asleep:

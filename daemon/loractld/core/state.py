@@ -92,6 +92,9 @@ class CoreState:
         self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
         self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
         self._blobs: Blobs | None = None           # Ollama's uploads, opened at the first (ProfileOps.blob_store)
+        self.started_up = False   # set_started: the engine, its surface and the listing are up
+        self._warming: asyncio.Task | None = None   # a listing's background validation (DiskOps.warm_in_background)
+        self._manifest_views: dict = {}            # id(StoredAdapter) -> (it, its view): DiskOps.list_adapters
         self._blobs_opening = asyncio.Lock()
         self.keep_alive: KeepAlive | None = None   # --keep-alive: the engine's sleep (loractld.serving.keep_alive)
 
@@ -106,6 +109,10 @@ class CoreState:
         self.gate = tiers.gate
         self.engine_ready.set()
 
+    def set_started(self) -> None:
+        """Start-up is over (READY=1): :attr:`ready` from now on, while the engine serves."""
+        self.started_up = True
+
     def set_failed(self, error: LoractlError) -> None:
         self.startup_error = error
         self.catalog_ready.set()
@@ -114,7 +121,8 @@ class CoreState:
     @property
     def ready(self) -> bool:
         engine = self.engine
-        return engine is not None and not self.draining and not engine.errored and not self.engine_died
+        return self.started_up and engine is not None and not self.draining and not engine.errored and \
+            not self.engine_died
 
     @property
     def requests_in_flight(self) -> int:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from loractl.errors import LoractlError
 from loractld.serving.residency import ON_DISK
+from loractld.store.identity import Checking
 from loractld.views import AdapterView
 
 if TYPE_CHECKING:
@@ -53,9 +54,11 @@ class TierOps:
 
     # -- helpers --------------------------------------------------------------------------
     def _described(self, catalog: Catalog, adapter: StoredAdapter, state: EngineState | None,
-                   ref: AdapterRef | LoractlError | None = None, view: AdapterView | None = None) -> AdapterView:
-        """``adapter`` as the user sees it; ``ref`` (its resolution, or why it failed) and ``view``
-        (a fresh copy of its manifest's view) when a listing has them already."""
+                   ref: AdapterRef | LoractlError | Checking | None = None,
+                   view: AdapterView | None = None) -> AdapterView:
+        """``adapter`` as the user sees it; ``ref`` (its resolution, why it failed, or that a
+        listing left it to be checked) and ``view`` (a fresh copy of its manifest's view) when a
+        listing has them already."""
         view = view or AdapterView.of(adapter)
         if ref is None:
             try:
@@ -64,6 +67,9 @@ class TierOps:
                 ref = e
         if isinstance(ref, LoractlError):
             view.state, view.error = "failed", f"{ref.message} ({ref.hint})"
+            return view
+        if isinstance(ref, Checking):   # not validated yet, so never loaded: on disk
+            view.state = "checking"
             return view
         refused = catalog.preflight.refusal(ref.digest, ref.engine_id, ref.label)
         if refused is not None:

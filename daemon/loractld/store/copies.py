@@ -110,12 +110,24 @@ class Copies:
                 self._records[key] = known
         return known
 
+    def know(self, key: bytes, records: list[dict]) -> None:
+        """``records`` are those of the files whose stat key is ``key`` (kept from the last run,
+        ``store.known``): :meth:`records` answers them without reading the files."""
+        self._records[key] = records
+
     def path_for(self, folder: Path, key: bytes | None = None) -> tuple[Path, str]:
         """Where the copy of ``folder``'s adapter is (or will be) and its digest; copies nothing."""
         digest = files_digest(self.records(folder, key))
         with self._lock:
             self._sources[digest] = folder
         return self.folder / digest, digest
+
+    def known_source(self, folder: Path, digest: str) -> Path:
+        """:meth:`path_for` for a folder whose digest is known already (its stats unchanged
+        since it was hashed): where its copy is, ``folder`` recorded as its source."""
+        with self._lock:
+            self._sources[digest] = folder
+        return self.folder / digest
 
     # -- using one: a copy ----------------------------------------------------------------
     def is_copy(self, path: Path) -> bool:

@@ -50,6 +50,7 @@ from loractld.worker import hooks
 from loractl import __version__
 from loractld.store.formats import MANIFEST_FORMAT, STORE_FORMAT, STORE_MARKER
 from loractld.store.copies import SNAPSHOT_BUDGET, SNAPSHOT_GRACE_S, Copies, files_digest, stat_key_of
+from loractld.store.known import KnownContent
 from loractld.store.listing import packed_stat
 from loractld.store import listing
 from loractld.store.leases import Lease, Leases
@@ -87,13 +88,18 @@ def _is_name_folder(entry: Path) -> bool:
             and not (entry / CONFIG_FILE).exists())
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, *, compact: bool = False) -> None:
     """Write ``path`` whole or not at all (a temporary beside it, fsync, rename, fsync the folder).
-    A crash can leave the temporary behind: :func:`remove_partial_writes` at start-up."""
+    A crash can leave the temporary behind: :func:`remove_partial_writes` at start-up.
+    ``compact``: no indentation, by json's C encoder (``json.dump`` to a file encodes in Python:
+    seconds for the megabytes of ``store.known``)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
+            if compact:
+                f.write(json.dumps(data, separators=(",", ":")))
+            else:
+                json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -138,6 +144,8 @@ class Store:
         for folder in (self.root, self.objects, self.tmp, self.snapshots):
             folder.mkdir(parents=True, exist_ok=True)
         self._hand_manifests: dict[bytes | tuple, dict] = {}
+        # Manifests of hand-placed adapters and validation facts, kept from the last run.
+        self.known = KnownContent(self.root, SEED_METADATA_FILE, write_json_atomic)
         self._entries: dict[str, tuple[tuple | bytes, StoredAdapter]] = {}   # name -> (entry's key, what it read as)
         # The last listing, kept while it holds (``list``); every write of this store's bumps the
         # generation, so a write within one timestamp step of a listing is never missed.
@@ -276,6 +284,18 @@ class Store:
         self._listing = (generation, walk, adapters) if clean else None
         return list(adapters)
 
+    def save_known(self) -> bool:
+        """Keep what the last listing's entries taught (``store.known``) for the next start: the
+        manifests of its hand-placed adapters and the facts of its contents; nothing else. A no-op
+        when nothing changed or nothing was listed yet."""
+        kept = self._listing
+        if kept is None or not self.known.stale(len(kept[2])):
+            return False
+        key_of = {id(manifest): key for key, manifest in self._hand_manifests.items()}
+        hand_keys = {key_of[id(a.manifest)] for a in kept[2] if a.hand_placed and id(a.manifest) in key_of}
+        digests = {files_digest(a.manifest["files"]) for a in kept[2] if a.manifest.get("files")}
+        return self.known.save(hand_keys, digests)
+
     def _note_damaged(self, name: str, why: str) -> None:
         if self.damaged.get(name) != why:
             _log.warning("adapter %s is damaged and set aside (%s); loractl rm %s removes it", name, why, name)
@@ -377,6 +397,10 @@ class Store:
         # copies.stat_key(folder), from the stats above (one stat per file, not three).
         key = (stat_key_of(folder, [st for _, st in present]) if len(present) == 2
                else (str(folder), tuple((f.name, st.st_size, st.st_mtime_ns) for f, st in present)))
+        if key not in self._hand_manifests and isinstance(key, bytes) and \
+                (kept := self.known.manifest(key, folder)) is not None:
+            self._hand_manifests[key] = kept
+            self.copies.know(key, kept["files"])   # the resolver's digest: no hashing either
         if key not in self._hand_manifests:
             config = read_config(folder)
             metadata = {}
@@ -394,6 +418,8 @@ class Store:
                 "alpha": config.get("lora_alpha"), "target_modules": config.get("target_modules"),
                 "metadata": metadata,
             }
+            if isinstance(key, bytes):
+                self.known.keep_manifest(key, folder, self._hand_manifests[key])
         return self._hand_manifests[key]
 
     # -- writing ------------------------------------------------------------------------

@@ -29,6 +29,11 @@ MAX_CONFIG_BYTES = 1 << 20
 DEFAULT_MAX_WEIGHTS_BYTES = 4 << 30
 
 
+# Raised whenever what validation accepts changes: facts kept by an earlier run
+# (``store.known``) are then validated again.
+VALIDATION_VERSION = 1
+
+
 @dataclass
 class AdapterFacts:
     """What validation learned about an adapter. Not its parsed config: nothing read it, and the

@@ -97,7 +97,7 @@ def build_app(core: Core, settings: HttpSettings, *, socket_gid: int | None = No
             return JSONResponse({"status": "ok"})
         if core.startup_error is not None:
             raise from_domain(core.startup_error)
-        if core.draining or core.engine_died or core.engine is not None:
+        if core.draining or core.engine_died or (core.engine is not None and core.started_up):
             return error_response(503, "the daemon is shutting down or its engine died", "See the daemon's log.",
                                   code="engine_unavailable")
         return error_response(503, "the engine is starting", "Retry in a moment (loractl status --wait waits).",
