@@ -54,6 +54,19 @@ def test_a_kept_listing_shows_every_change_on_the_next_ask(tmp_path, demo):
     assert after["org/b"] != before["org/b"] and after["org/c"] == before["org/c"]
 
     _settled(store)
+    kept = {a.name: a for a in store.list()}
+    shutil.copytree(source, org / "d")                            # one added beside one rewritten:
+    with open(org / "c" / WEIGHTS_FILE, "r+b") as f:              # the folder is read again, and
+        f.seek(-1, os.SEEK_END)                                   # only the rewritten entry with it
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 1]))
+    listed = {a.name: a for a in store.list()}
+    assert sorted(listed) == ["org/b", "org/c", "org/d", "org/later"]
+    assert listed["org/c"].manifest["revision"] != kept["org/c"].manifest["revision"]
+    assert listed["org/b"] is kept["org/b"] and listed["org/later"] is kept["org/later"]
+
+    _settled(store)
     with store.staging() as staged:                               # the store's own install and rm
         shutil.copytree(source, staged, dirs_exist_ok=True)
         store.install("pulled/v1", staged, {"files": [{"name": n, "size": (staged / n).stat().st_size,

@@ -88,6 +88,12 @@ def _is_name_folder(entry: Path) -> bool:
             and not (entry / CONFIG_FILE).exists())
 
 
+def _same_files(entry: str, before: dict[str, bytes | None], now: dict[str, bytes | None]) -> bool:
+    """Whether a hand-placed entry's config and weights have the same stats in two scans."""
+    files = (os.path.join(entry, CONFIG_FILE), os.path.join(entry, WEIGHTS_FILE))
+    return all(now.get(f) is not None and now.get(f) == before.get(f) for f in files)
+
+
 def write_json_atomic(path: Path, data: dict, *, compact: bool = False) -> None:
     """Write ``path`` whole or not at all (a temporary beside it, fsync, rename, fsync the folder).
     A crash can leave the temporary behind: :func:`remove_partial_writes` at start-up.
@@ -259,7 +265,13 @@ class Store:
         if kept is not None:
             reused = {name for path, part in walk.parts.items() if kept[1].parts.get(path) is part
                       for name, _ in part.found}
-            same = {a.name: a for a in kept[2] if a.name in reused}
+            # In a folder read again (an adapter added beside 10,000), an entry whose two files'
+            # stats the new scan took equal the kept scan's is the kept entry (its key: those
+            # stats, as Store.entry_key reads them): not read, nor stat'ed, again.
+            before, now = listing.file_stats(kept[1]), listing.file_stats(walk)
+            unchanged = {name for path, part in walk.parts.items() if kept[1].parts.get(path) is not part
+                         for name, entry in part.found if _same_files(entry, before, now)}
+            same = {a.name: a for a in kept[2] if a.name in reused or a.name in unchanged}
         adapters = []
         real_folders: dict[str, str] = {}   # this listing's: every entry of an org folder shares it
         for name, path in walk.found:

@@ -104,6 +104,14 @@ class Scan:
         return self.trusted and all(part.current() == part.stats for part in self.parts.values())
 
 
+def file_stats(scan_: Scan) -> dict[str, bytes | None]:
+    """Each watched file's stat in ``scan_`` (a hand-placed adapter's config and weights), by path."""
+    stats: dict[str, bytes | None] = {}
+    for part in scan_.parts.values():
+        stats.update(zip(part.files, part.stats[len(part.folders):]))
+    return stats
+
+
 def _read_part(path: str, prefix: str, depth: int, began: int) -> Part:
     found: list[tuple[str, str]] = []
     walk: list[tuple[str, str]] = []
