@@ -309,7 +309,6 @@ def profile(count: int) -> None:
             tiers = None
             _warming = None
             _manifest_views: dict = {}
-            _unchecked: list = []
             started_up = True
 
             async def _wait_catalog(self):

@@ -152,7 +152,6 @@ class Listing(DiskOps, TierOps):
     def __init__(self, catalog) -> None:
         self.catalog = catalog
         self.started_up = True   # as after READY: a listing's unchecked names are validated at once
-        self._unchecked = []
         self._warming = None
         self._manifest_views = {}
 

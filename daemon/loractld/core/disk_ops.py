@@ -100,24 +100,21 @@ class DiskOps:
         """Validate ``names`` off the loop, one warm-up at a time (a listing that finds some still
         unchecked while one runs leaves them to it or to the next), then keep what it learned
         for the next start (``store.known``)."""
-        if not self.started_up:
-            # Start-up's listing (built while the engine starts): validated after READY, not
-            # beside the engine's start on the same cores (start_checking).
-            self._unchecked = names
-            return
         if self._warming is not None and not self._warming.done():
             return
+        # Start-up's listing is built while the engine starts, in its own process: the daemon's
+        # cores are mostly idle then, and validating at full speed there usually ends before
+        # READY. Once serving, it pauses after each adapter: requests come first.
+        pause_s = CHECKING_PAUSE_S if self.started_up else 0.0
 
         async def warm() -> None:
-            await asyncio.to_thread(catalog.resolver.warm, names, CHECKING_PAUSE_S)
+            await asyncio.to_thread(catalog.resolver.warm, names, pause_s)
             await asyncio.to_thread(catalog.store.save_known)
         self._warming = asyncio.create_task(warm())
 
-    def start_checking(self) -> None:
-        """Start-up is over: validate what its listing left unchecked (:meth:`warm_in_background`)."""
-        names, self._unchecked = self._unchecked, []
-        if names and self.catalog is not None:
-            self.warm_in_background(self.catalog, names)
+    def checked_already(self) -> bool:
+        """Whether a background validation ran and has ended (its listing now lists otherwise)."""
+        return self._warming is not None and self._warming.done()
 
     async def checked_in_background(self) -> bool:
         """Wait for the background validation a listing started (:meth:`warm_in_background`), if
