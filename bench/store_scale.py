@@ -310,6 +310,8 @@ def profile(count: int) -> None:
             _warming = None
             _manifest_views: dict = {}
             started_up = True
+            _unchecked: list = []
+            _foreground = 0
 
             async def _wait_catalog(self):
                 return catalog

@@ -12,6 +12,8 @@ import asyncio
 import json
 import shutil
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,8 @@ class Listing(DiskOps, TierOps):
     def __init__(self, catalog) -> None:
         self.catalog = catalog
         self.started_up = True   # as after READY: a listing's unchecked names are validated at once
+        self._unchecked = []
+        self._foreground = 0
         self._warming = None
         self._manifest_views = {}
 
@@ -191,3 +195,22 @@ def test_a_listing_past_its_deadline_lists_new_content_as_checking_then_validate
     assert len(json.loads((root / KNOWN_FILE).read_text())["facts"]) == count - 1
     assert CHECKING not in catalog.resolver.resolve_listed(catalog.store.list(), deadline=0.0).values()
     assert identity.INLINE_NEW == INLINE_NEW
+
+
+def test_a_background_validation_waits_while_a_request_holds_it(store_dir, demo, monkeypatch):
+    """``warm``'s ``hold``: while it is true (a listing runs: ``DiskOps.in_foreground``), the
+    validation thread finishes the adapter in hand and waits; then it goes on to the end."""
+    counted = Counted(monkeypatch)
+    catalog = counted.open(store_dir, demo)
+    held = threading.Event()
+    held.set()
+    names = [f"hand/a{i}" for i in range(ADAPTERS)]
+    thread = threading.Thread(target=catalog.resolver.warm, args=(names, 0.0, held.is_set))
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert counted.validated == 1
+    finally:
+        held.clear()
+        thread.join(30)
+    assert counted.validated == ADAPTERS

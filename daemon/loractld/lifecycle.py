@@ -384,8 +384,6 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             await core.openai_surface()
             if listing is not None:
                 await listing
-                if core.checked_already():   # what it listed as checking is validated now: listed again
-                    await service.prewarm()
             core.startup.finish()
             _freeze_startup_heap()
             tiers.start_following()
@@ -394,6 +392,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             # `status` says ready from here, with READY=1: a command that waited for it finds the
             # listing built and the heap frozen, not the daemon still doing both.
             core.set_started()
+            core.start_checking()
             publisher.set_ready(True)
             publisher.start()
             def ready_status() -> str:

@@ -165,6 +165,12 @@ class LoractlService(LoractlBase):
         # replies waits for it, then answers from them instead of writing them again beside it.
         self._listing = asyncio.Lock()
 
+    @contextlib.asynccontextmanager
+    async def _foreground(self):
+        """The reply's writing too holds the core's background validation (``Core.in_foreground``)."""
+        with self.core.in_foreground():
+            yield
+
     async def prewarm(self) -> None:
         """Build what the first ``ls`` would (the views, the kept text and messages), before READY,
         so that the first caller does not: at 10,000 adapters that was 1 s of the call."""
@@ -175,7 +181,7 @@ class LoractlService(LoractlBase):
             _log.debug("prewarming the listing failed", exc_info=True)
 
     async def _listed_reply(self, *, json: bool) -> pb.ListReply:
-        async with self._listing:
+        async with self._listing, self._foreground():
             owned = self.core.owned_adapters()   # a weighted profile's merge: listed as what that profile runs
             views = [a for a in await self.core.list_adapters() if a.name not in owned] + \
                 await self.core.list_profiles()

@@ -93,6 +93,8 @@ class CoreState:
         self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
         self._blobs: Blobs | None = None           # Ollama's uploads, opened at the first (ProfileOps.blob_store)
         self.started_up = False   # set_started: the engine, its surface and the listing are up
+        self._unchecked: list[str] = []             # names start-up's listing left to check after READY
+        self._foreground = 0                        # listings running now (DiskOps.in_foreground)
         self._warming: asyncio.Task | None = None   # a listing's background validation (DiskOps.warm_in_background)
         self._manifest_views: dict = {}            # id(StoredAdapter) -> (it, its view): DiskOps.list_adapters
         self._blobs_opening = asyncio.Lock()

@@ -30,6 +30,7 @@ from loractld.store.validate import CONFIG_FILE, WEIGHTS_FILE, AdapterFacts
 
 _ID_MASK = (1 << 31) - 1
 INLINE_NEW = 32   # new adapters a listing always validates itself, past its deadline too
+HOLD_POLL_S = 0.005   # how often a held warm-up looks again
 
 
 class Checking:
@@ -95,12 +96,12 @@ class AdapterResolver:
             self.store.copies.materialize(ref.path)
         return ref
 
-    def warm(self, names: list[str], pause_s: float = 0.0) -> None:
+    def warm(self, names: list[str], pause_s: float = 0.0, hold: Callable[[], bool] | None = None) -> None:
         """Resolve ``names`` now, in the caller's thread (hashing and validating new content reads
         every byte), so that the event loop's later asks are answered from the caches; a name
         that does not resolve is left to fail again, from its cached answer, where it is asked.
-        ``pause_s``: a sleep after each, which hands the GIL to the event loop at once (a thread
-        that validates 10,000 adapters without it made the first ``ls`` beside it 1.7 s)."""
+        ``pause_s``: a sleep after each, which hands the GIL to the event loop at once; ``hold()``:
+        while true, wait (a request runs that this thread would slow down)."""
         for name in names:
             try:
                 self.resolve(name)
@@ -108,6 +109,8 @@ class AdapterResolver:
                 pass
             if pause_s:
                 time.sleep(pause_s)
+            while hold is not None and hold():
+                time.sleep(HOLD_POLL_S)
 
     def resolve_listed(self, adapters: list, deadline: float | None = None
                        ) -> dict[str, AdapterRef | LoractlError | Checking]:
