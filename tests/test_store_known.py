@@ -22,7 +22,7 @@ from loractld.core.disk_ops import DiskOps
 from loractld.core.tier_ops import TierOps
 from loractld.engine.client import EngineSettings
 from loractld.lifecycle import DaemonSettings, open_catalog
-from loractld.store import copies, identity
+from loractld.store import copies
 from loractld.store.identity import CHECKING, INLINE_NEW
 from loractld.store.known import KNOWN_FILE
 
@@ -194,7 +194,6 @@ def test_a_listing_past_its_deadline_lists_new_content_as_checking_then_validate
     # What the background validation learned is kept for the next start.
     assert len(json.loads((root / KNOWN_FILE).read_text())["facts"]) == count - 1
     assert CHECKING not in catalog.resolver.resolve_listed(catalog.store.list(), deadline=0.0).values()
-    assert identity.INLINE_NEW == INLINE_NEW
 
 
 def test_a_background_validation_waits_while_a_request_holds_it(store_dir, demo, monkeypatch):
