@@ -60,7 +60,8 @@ class Reports:
                           engine_start_s=engine.start_seconds if engine else 0.0, engine=config,
                           requests_in_flight=self.requests_in_flight, capacity=capacity, http=self.http_url,
                           admission=self._admission_view(),
-                          startup=self.startup.view() if engine is None and self.startup_error is None else StartupView())
+                          startup=self.startup.view() if not self.started_up and self.startup_error is None
+                          else StartupView())
 
     def engine_state(self) -> str:
         """starting, ready, asleep (given back after ``--keep-alive`` idle, or falling asleep),
