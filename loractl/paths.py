@@ -32,11 +32,6 @@ class Layout:
         return self.data_dir / "adapters"
 
     @property
-    def demo_dir(self) -> Path:
-        """The embedded demo (``--model demo``): its GGUF source and trained adapters."""
-        return self.data_dir / "demo"
-
-    @property
     def tiny_dir(self) -> Path:
         """The tiny random test model (``--model tiny``) and its adapters."""
         return self.data_dir / "tiny"

@@ -23,7 +23,6 @@ the heartbeat (which lives in a thread of the parent) still goes stale, which is
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import json
@@ -35,7 +34,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -319,15 +318,6 @@ class ServiceDiscovery:
             events, known = self._diff(namespace, component, known)
             yield from events
             stop.wait(poll_s)
-
-    async def awatch(self, namespace: str, component: str, *, poll_s: float = 0.2) -> AsyncIterator[WatchEvent]:
-        """:meth:`watch` for asyncio; the file reads run in a worker thread."""
-        known: dict[str, Instance] = {}
-        while True:
-            events, known = await asyncio.to_thread(self._diff, namespace, component, known)
-            for ev in events:
-                yield ev
-            await asyncio.sleep(poll_s)
 
     def _diff(self, namespace: str, component: str,
               known: dict[str, Instance]) -> tuple[list[WatchEvent], dict[str, Instance]]:

@@ -63,6 +63,29 @@ def test_completions_are_current():
     assert done.returncode == 0, f"{done.stderr}{done.stdout}run: python scripts/gen_completions.py"
 
 
+def test_the_module_lists_are_current():
+    """docs/architecture.md's "Every module" and the README's daemon layout are written from the
+    tree (scripts/gen_architecture.py): a module added, renamed or removed shows in both."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_architecture.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"{done.stderr}{done.stdout}"
+
+
+def test_the_module_list_check_would_see_a_new_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_architecture", REPO / "scripts" / "gen_architecture.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    found = gen.modules()
+    assert ("store/known", gen.first_sentence((REPO / "daemon/loractld/store/known.py").read_text().split('"""')[1])) \
+        in found["store"]
+    found["store"].append(("store/planted", "A module nobody listed."))
+    pages = gen.render(found)
+    assert "`store/planted`" in pages[gen.ARCHITECTURE] and "planted" in pages[gen.README]
+    assert pages[gen.ARCHITECTURE] != gen.ARCHITECTURE.read_text()
+
+
 @pytest.mark.parametrize("page", MAN_PAGES)
 def test_man_page_lints_clean(page):
     groff = shutil.which("groff")

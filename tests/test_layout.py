@@ -75,6 +75,30 @@ def test_worker_code_imports_nothing_of_the_daemons_state(path, tree):
     assert not bad, f"{path} runs inside vLLM's worker and imports {bad}"
 
 
+def _context_vars(tree: ast.AST) -> list[int]:
+    """Lines that make or import a ``contextvars.ContextVar``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "ContextVar":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "contextvars":
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("path,tree", MODULES, ids=[str(p) for p, _ in MODULES])
+def test_no_context_variable_carries_request_state(path, tree):
+    """A request's scope (its adapter, profile template, first token) is an object passed down
+    (``engine.openai_serving``: a handler copy bound to it), never task-local state that a
+    callee reads back and that outlives the request in the task that set it."""
+    assert not _context_vars(tree), f"{path}:{_context_vars(tree)} uses a ContextVar; pass the state down"
+
+
+def test_the_context_variable_rule_would_catch_one():
+    assert _context_vars(ast.parse("import contextvars\nX = contextvars.ContextVar('x')\n")) == [2]
+    assert _context_vars(ast.parse("from contextvars import ContextVar\n")) == [1]
+
+
 def test_the_rules_would_catch_a_breach():
     """The checks read real import statements: a planted vllm import in api/ is seen."""
     tree = ast.parse("from vllm.lora.request import LoRARequest\nfrom loractld.store.disk import Store\n")

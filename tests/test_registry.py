@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import queue
@@ -149,24 +148,6 @@ def test_watch_in_a_thread(root):
         t.join(timeout=5)
         early.close()
     assert not t.is_alive()
-
-
-def test_awatch(root):
-    reg, disc = ServiceRegistry(root), ServiceDiscovery(root)
-
-    async def main():
-        seen = []
-        it = disc.awatch(NS, COMP, poll_s=0.02)
-        h = reg.register_instance(NS, COMP, instance_id="a1", metadata={"m": 1})
-        ev = await asyncio.wait_for(anext(it), 5)
-        seen.append((ev.kind, ev.instance.instance_id, ev.instance.metadata()))
-        h.close()
-        ev = await asyncio.wait_for(anext(it), 5)
-        seen.append((ev.kind, ev.instance.instance_id, ev.instance.metadata()))
-        await it.aclose()
-        return seen
-
-    assert asyncio.run(main()) == [("added", "a1", {"m": 1}), ("removed", "a1", {"m": 1})]
 
 
 def test_atomic_writes_leave_no_temp_files_and_garbage_is_ignored(root):

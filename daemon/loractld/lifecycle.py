@@ -87,6 +87,10 @@ class DaemonSettings:
     # device's default (5 minutes on CUDA, never on the CPU), 0: never.
     keep_alive_s: float | None = None
     sleep_level: int = 1        # vLLM's sleep mode level on CUDA (1: weights to host RAM; 2: dropped)
+    # Controls kept for the benchmarks' comparisons (docs/benchmarks.md): grpclib's own server,
+    # one write per frame, instead of coalesced writes; the collector left as it was at start.
+    grpc_coalesce: bool = True
+    gc_freeze: bool = True
 
 
 def resolve_model(model: str, home: str | None, report: Report | None = None) -> str:
@@ -287,8 +291,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
                 served_model_name=settings.served_model_name or settings.engine.model)
     core.auto_pull = settings.auto_pull
     core.socket_gid = socket_gid
-    # LORACTL_GRPC_COALESCE=0: grpclib's own server, one write per frame (the benchmarks' control).
-    server_class = Server if os.environ.get("LORACTL_GRPC_COALESCE") == "0" else CoalescingServer
+    server_class = CoalescingServer if settings.grpc_coalesce else Server   # --grpc-writes per-frame: grpclib's own
     grpc_deadlines.install()
     quiet_hang_ups()   # a client that hangs up when it has its answer is no INFO line
     service = LoractlService(core, socket_gid=socket_gid, max_message_bytes=settings.max_message_bytes)
@@ -382,15 +385,17 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             # Every door's requests are rendered by vLLM's serving classes: built (and their
             # renderer warmed) before READY, not by the first requests, which would all wait on it.
             await core.openai_surface()
+            core.startup.update("finishing", "finishing start-up (the adapter listing, the heap)")
             if listing is not None:
                 await listing
-            core.startup.finish()
-            _freeze_startup_heap()
+            if settings.gc_freeze:
+                _freeze_startup_heap()
             tiers.start_following()
             dynamo = await join_dynamo(core, settings.dynamo)  # None without --dynamo; before READY=1
             await publisher.refresh()
             # `status` says ready from here, with READY=1: a command that waited for it finds the
             # listing built and the heap frozen, not the daemon still doing both.
+            core.startup.finish()
             core.set_started()
             core.start_checking()
             publisher.set_ready(True)
@@ -508,9 +513,7 @@ async def _watchdog(systemd: SystemdEnv, core: Core, stop: asyncio.Event) -> Non
 def _freeze_startup_heap() -> None:
     """Move what start-up allocated (vLLM, torch, transformers: millions of objects) out of the
     garbage collector's sight, as vLLM's own server does once it is up (``freeze_gc_heap``):
-    otherwise each full collection walks all of it while requests wait on the event loop.
-    ``LORACTL_GC_FREEZE=0`` keeps the collector as it was (benchmarks' control)."""
-    if os.environ.get("LORACTL_GC_FREEZE", "1") == "0":
-        return
+    otherwise each full collection walks all of it while requests wait on the event loop
+    (``--no-gc-freeze`` keeps the collector as it was: the benchmarks' control)."""
     gc.collect()
     gc.freeze()

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-pull", action="store_true",
                    help="a request naming a Hub reference (org/repo) that is not in the store pulls it first; "
                         "over HTTP only with --api-key-file (default: off)")
+    p.add_argument("--grpc-writes", choices=("coalesced", "per-frame"), default="coalesced",
+                   help="how the socket's gRPC server writes: 'coalesced' gathers a stream's frames into one write "
+                        "per loop turn, 'per-frame' is grpclib's own server (a benchmark's control; default: coalesced)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="once started, move the start-up heap out of the garbage collector's sight, as vLLM's server "
+                        "does (--no-gc-freeze: a benchmark's control; default: on)")
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log verbosity on stderr (default: INFO, or $LORACTL_LOG_LEVEL)")
@@ -189,7 +195,8 @@ def settings_from(args: argparse.Namespace) -> DaemonSettings:
                           http=http_settings.settings_from(args), admission_policy=args.admission,
                           admission_max_wait_s=args.admission_max_wait, max_message_bytes=args.max_message_size,
                           dynamo=dynamo_settings.settings_from(args), auto_pull=args.auto_pull,
-                          prefetch=args.prefetch, keep_alive_s=args.keep_alive, sleep_level=int(args.sleep_level))
+                          prefetch=args.prefetch, keep_alive_s=args.keep_alive, sleep_level=int(args.sleep_level),
+                          grpc_coalesce=args.grpc_writes == "coalesced", gc_freeze=args.gc_freeze)
 
 
 def _read_template(path: str) -> str:

@@ -84,15 +84,6 @@ class RequestPath:
                 await old[1].templates.close()
         return self._openai[1]
 
-    @staticmethod
-    def answer_first_token_ns() -> int | None:
-        """When the HTTP request this task serves had its first generated token
-        (``time.perf_counter_ns()``), or None before it (or outside one)."""
-        from loractld.engine.openai_serving import CURRENT
-
-        scope = CURRENT.get()
-        return scope.first_token_ns if scope is not None else None
-
     def _generated(self, label: tuple, tokens: int) -> None:
         self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
         ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
@@ -189,7 +180,7 @@ class RequestPath:
             planned = prepared.planned
             params = planned.params if prepared.sampling is planned.sampling else \
                 vllm_requests.sampling_params(surface, planned, prepared.sampling)
-            scope = surface.scope(name or (adapter.label if adapter else ""), adapter, name, current=False)
+            scope = surface.scope(name or (adapter.label if adapter else ""), adapter, name)
             async with contextlib.aclosing(vllm_requests.deltas(surface, planned, params, scope)) as deltas:
                 async for delta in deltas:
                     yield delta

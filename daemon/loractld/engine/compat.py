@@ -110,28 +110,6 @@ def lora_request_kwargs(fields: tuple[str, ...], *, name: str, engine_id: int, p
     return wanted
 
 
-def token_prompt(prompt_token_ids: list[int]) -> dict:
-    """The prompt as handed to ``AsyncLLM.generate``. vLLM 0.32 takes an already rendered
-    input (``type: token``) in the caller's thread, as its own OpenAI server hands it over; a
-    bare ``{"prompt_token_ids": ...}`` goes through its renderer's thread pool instead, a
-    thread hand-off per request that the server does not make. Both paths make the same checks
-    of the ids (``InputProcessor._validate_model_inputs``)."""
-    build = _rendered_token_input()
-    return build(prompt_token_ids) if build is not None else {"prompt_token_ids": prompt_token_ids}
-
-
-@functools.cache
-def _rendered_token_input():
-    """vLLM's builder of a rendered token input, looked up once (this is on every request's
-    path, and a failed import would search the path again each time); None where vLLM has no
-    rendered inputs. 0.26.0 has them too (``vllm/inputs/engine.py``, the same ``TokensInput``)."""
-    try:
-        from vllm.inputs.engine import tokens_input
-    except ImportError:  # no rendered inputs: the bare prompt is the only form
-        return None
-    return tokens_input
-
-
 def unfinished_requests(llm) -> int:
     """Requests ``llm`` (an ``AsyncLLM``) holds, waiting or running. 0.32's ``AsyncLLM`` has
     ``get_num_unfinished_requests``; 0.26's has not (read in its source: only ``LLMEngine`` does),

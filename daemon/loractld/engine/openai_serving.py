@@ -6,17 +6,22 @@ vLLM's serving classes are handed two things of loractl's instead of vLLM's:
   ``generate``, which runs each engine request behind loractl's admission gate (``admit``,
   the core's ``engine_request``), refuses an adapter the worker failed to load (the broken
   journal), orders a stop string's abort before the gate hands the slot on, and counts tokens;
-- a models registry (:class:`ScopedModels`) that knows one adapter: the one the HTTP door
-  resolved through the store for the request being served (:data:`CURRENT`). vLLM's own
+- a models registry (:class:`ScopedModels`) that knows one adapter: the one the door resolved
+  through the store for the request being served (its :class:`RequestScope`). vLLM's own
   registry would keep names, counter ids and a permanent cache of its own; loractl's names map
   to content-addressed engine ids, so a revision swap is seen by the next request.
+
+Each request is served by its own shallow copy of vLLM's handler (:meth:`OpenAISurface._bound`),
+whose ``models``, ``engine_client`` and renderer are bound to that request's scope: the scope
+is passed down as an object, never read back from task-local state. A copy shares every
+heavy part (tokenizer, renderer internals, the Responses store) with the handler built once.
 
 Invariants:
 - ``vllm`` is imported inside functions only (this module is imported by the daemon's
   command line); which constructor takes which argument is ``compat.serving_kwargs``'s job.
-- :data:`CURRENT` is set by the door in the request's own task before vLLM's handler runs;
-  every engine request the handler starts (``n``, several prompts, a stream) runs in a copy of
-  that context, so it sees the adapter its request resolved and no other.
+- Every engine request a handler starts (``n``, several prompts, a stream, a background
+  Responses request) goes through its copy's ``engine_client``, so it carries the scope its
+  request resolved and no other; an engine request without a scope is refused.
 - The door holds the adapter's lease for the whole response; nothing here releases it.
 """
 
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
+import copy
 import json
 import logging
 import re
@@ -130,9 +135,6 @@ class RequestScope:
     template: str | None = None
 
 
-CURRENT: contextvars.ContextVar[RequestScope | None] = contextvars.ContextVar("loractl_openai_scope", default=None)
-
-
 @dataclass
 class Answer:
     """What a handler answered: a JSON body with its status, or (status 200) an SSE stream."""
@@ -140,35 +142,39 @@ class Answer:
     status: int
     body: dict | None = None
     stream: AsyncIterator[str] | None = None
+    scope: RequestScope | None = None   # the request's (its first token's time, for the Ollama door)
 
 
 class ScopedModels:
     """vLLM's ``OpenAIServingModels`` as its serving classes use it (``lora_requests``,
     ``is_base_model``, ``model_name``, ``resolve_lora``, ``base_model_paths``), knowing only the
-    adapter of the request in :data:`CURRENT`."""
+    adapter of one request (``scope``; None in the handlers built once, which serve nothing)."""
 
-    def __init__(self, engine_client: Any, base_model_paths: list) -> None:
+    def __init__(self, engine_client: Any, base_model_paths: list, scope: RequestScope | None = None) -> None:
         self.engine_client = engine_client
         self.base_model_paths = base_model_paths
         self.model_config = engine_client.model_config
         self.renderer = engine_client.renderer
         self.input_processor = getattr(engine_client, "input_processor", None)
+        self.scope = scope
+
+    def scoped(self, engine_client: Any, scope: RequestScope) -> ScopedModels:
+        return ScopedModels(engine_client, self.base_model_paths, scope)
 
     @property
     def lora_requests(self) -> dict:
-        scope = CURRENT.get()
+        scope = self.scope
         return {scope.model: scope.lora_request} if scope is not None and scope.lora_request is not None else {}
 
     def is_base_model(self, model_name: str | None) -> bool:
-        scope = CURRENT.get()
+        scope = self.scope
         return scope is not None and scope.lora_request is None and model_name == scope.model
 
     def model_name(self, lora_request: Any = None) -> str:
         """What a response's ``model`` says: the name the client used for an adapter, the
         served name for the base model (as vLLM's server answers)."""
-        scope = CURRENT.get()
-        if lora_request is not None and scope is not None:
-            return scope.model
+        if lora_request is not None and self.scope is not None:
+            return self.scope.model
         return self.base_model_paths[0].name
 
     async def resolve_lora(self, lora_name: str) -> None:
@@ -194,12 +200,13 @@ class AdmittedEngineClient:
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *, lora_request: Any = None,
                        scope: RequestScope | None = None, **kwargs: Any) -> AsyncIterator[Any]:
-        """vLLM's ``generate``, admitted; ``scope`` is the request's adapter (default: :data:`CURRENT`,
-        which vLLM's handlers run in; the core passes its own for the gRPC and Dynamo doors)."""
+        """vLLM's ``generate``, admitted; ``scope`` is the request's adapter (a handler's copy
+        passes its own, :class:`ScopedEngineClient`; the core passes it for the gRPC and Dynamo doors)."""
         from vllm.sampling_params import RequestOutputKind
 
-        scope = scope if scope is not None else CURRENT.get()
-        adapter = scope.adapter if scope is not None else None
+        if scope is None:
+            raise RuntimeError("an engine request with no request scope")
+        adapter = scope.adapter
         if (lora_request is None) != (adapter is None) or (
                 adapter is not None and lora_request.lora_int_id != adapter.engine_id):
             raise RuntimeError("an engine request for an adapter its request did not resolve")
@@ -213,7 +220,7 @@ class AdmittedEngineClient:
             sampling_params = sampling_params.clone()
             sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         engine = self._engine
-        async with self._admit(adapter, scope.name if scope else None) as label:
+        async with self._admit(adapter, scope.name) as label:
             engine_ids: list[str] = []
             produced = 0
             async for out in self._llm.generate(prompt, sampling_params, request_id, lora_request=lora_request,
@@ -225,7 +232,7 @@ class AdmittedEngineClient:
                 if adapter is not None:
                     engine._refuse_if_broken(adapter)   # its stand-in's tokens never reach the client
                 tokens = sum(len(o.token_ids) for o in out.outputs)
-                if tokens and scope is not None and scope.first_token_ns is None:
+                if tokens and scope.first_token_ns is None:
                     scope.first_token_ns = time.perf_counter_ns()
                 if delta:
                     self._count(label, tokens)
@@ -241,6 +248,21 @@ class AdmittedEngineClient:
                 self._count(label, produced)
 
 
+class ScopedEngineClient:
+    """The engine client of one request's handler copy: :class:`AdmittedEngineClient` with
+    that request's scope passed to every ``generate``."""
+
+    def __init__(self, client: AdmittedEngineClient, scope: RequestScope) -> None:
+        self._client = client
+        self._scope = scope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        return self._client.generate(prompt, sampling_params, request_id, scope=self._scope, **kwargs)
+
+
 class OpenAISurface:
     """vLLM's serving classes, built once over an :class:`AdmittedEngineClient`; the door calls
     :meth:`answer` with a route name and the request's JSON body."""
@@ -254,7 +276,6 @@ class OpenAISurface:
                                              options, engine.settings.chat_template)
         self._validators: dict[str, Any] = {}
         self.served_name = served_names[0]   # the base model's name, as the serving classes know it
-        self._trust_profile_templates()
         # A profile's template (or a trusted request's) renders in a child with a deadline and a
         # memory cap, never in vLLM's renderer thread, which every other request waits on.
         self.templates = TemplateSandbox(server_template=engine.settings.chat_template,
@@ -267,22 +288,31 @@ class OpenAISurface:
         started a new one): the core builds the serving classes again."""
         return self._engine._llm is not self._built_on
 
-    def _trust_profile_templates(self) -> None:
-        """vLLM refuses a request's chat_template unless --trust-request-chat-template; the one a
-        profile gives (:attr:`RequestScope.template`, set by the core) is let through, as if the
-        daemon had been started with it."""
-        renderer = getattr(self.handler("chat"), "online_renderer", None)
-        if renderer is None:
-            return
-        check = renderer.validate_chat_template
+    def _bound(self, route: str, scope: RequestScope) -> Callable:
+        """``route``'s handler method on a shallow copy of its serving class bound to ``scope``:
+        its ``models`` and ``engine_client`` know only this request. Its renderer is copied too
+        when the scope carries a profile's template: vLLM refuses a request's chat_template unless
+        --trust-request-chat-template, and the one a profile gives (:attr:`RequestScope.template`,
+        set by the core) is let through, as if the daemon had been started with it."""
+        method = self._routes[route].method
+        handler = method.__self__
+        bound = copy.copy(handler)
+        client = ScopedEngineClient(self.client, scope)
+        bound.engine_client = client
+        bound.models = handler.models.scoped(client, scope)
+        renderer = getattr(handler, "online_renderer", None)
+        if scope.template is not None and renderer is not None:
+            bound.online_renderer = _trusting(renderer, scope.template)
+        return getattr(bound, method.__name__)
 
-        def validate_chat_template(request_chat_template, chat_template_kwargs, trust_request_chat_template):
-            scope = CURRENT.get()
-            if scope is not None and scope.template is not None and request_chat_template == scope.template:
-                request_chat_template = None
-            return check(request_chat_template, chat_template_kwargs, trust_request_chat_template)
-
-        renderer.validate_chat_template = validate_chat_template
+    @staticmethod
+    def _kept(handler: Any, bound: Any, began: dict) -> None:
+        """What vLLM's handler set on the request's copy while serving it (a lazily probed
+        setting), kept on the handler built once, as serving in place would have kept it;
+        ``began``: the copy's attributes when it was made."""
+        for name, value in vars(bound).items():
+            if began.get(name, _MISSING) is not value:
+                setattr(handler, name, value)
 
     def fields(self, route: str) -> set[str]:
         """The request fields ``route`` knows (names and aliases)."""
@@ -294,16 +324,11 @@ class OpenAISurface:
             known |= set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
         return known
 
-    def scope(self, model: str, adapter: Any, name: str | None, *, current: bool = True,
-              template: str | None = None) -> RequestScope:
-        """The request's adapter as a :class:`RequestScope`; set as :data:`CURRENT` (``current``),
-        for this task and the tasks it starts from now on."""
-        scope = RequestScope(model=model, adapter=adapter, name=name,
-                             lora_request=self._engine._lora_request(adapter) if adapter is not None else None,
-                             template=template)
-        if current:
-            CURRENT.set(scope)
-        return scope
+    def scope(self, model: str, adapter: Any, name: str | None, *, template: str | None = None) -> RequestScope:
+        """The request's adapter as a :class:`RequestScope`, for :meth:`answer` or the core's doors."""
+        return RequestScope(model=model, adapter=adapter, name=name,
+                            lora_request=self._engine._lora_request(adapter) if adapter is not None else None,
+                            template=template)
 
     # -- the parts of a handler the core's own doors use (see loractld.engine.vllm_requests) --
     @property
@@ -330,8 +355,7 @@ class OpenAISurface:
     async def render(self, route: str, request: Any, *, template: str | None = None) -> list[Any]:
         """``request``'s engine inputs as ``route``'s handler renders them (the chat template, the
         tokenizer), for the base model's name; vLLM's refusal is an :class:`InvalidRequest`."""
-        handler = self.handler(route)
-        token = CURRENT.set(RequestScope(model=request.model, template=template))
+        handler = self._bound(route, RequestScope(model=request.model, template=template)).__self__
         try:
             if route == "chat":
                 result = await handler.render_chat_request(request)
@@ -341,8 +365,6 @@ class OpenAISurface:
             raise
         except Exception as e:  # noqa: BLE001 - vLLM's refusal of the messages (a template's error)
             raise self._unrendered(route, _first_line(e)) from e
-        finally:
-            CURRENT.reset(token)
         if isinstance(result, compat.error_response_type()):
             raise self._unrendered(route, _first_line(result.error.message))
         return result[1] if route == "chat" else result
@@ -357,11 +379,11 @@ class OpenAISurface:
                               "Check the messages against the model's chat template and context, or send a raw "
                               "prompt (loractl run --raw).")
 
-    async def answer(self, route: str, body: dict, raw_request: Any) -> Answer:
-        """vLLM's answer to ``body`` on ``route``: its validation, its handler, its shapes."""
+    async def answer(self, route: str, body: dict, raw_request: Any, scope: RequestScope) -> Answer:
+        """vLLM's answer to ``body`` on ``route`` for the request ``scope`` resolved: its
+        validation, its handler, its shapes; the answer carries ``scope``."""
         from pydantic import ValidationError
 
-        handler = self._routes[route]
         try:
             request = self.validator(route).validate_python(body)
         except ValidationError as e:
@@ -373,15 +395,21 @@ class OpenAISurface:
                                           "type": "BadRequestError", "param": where or None, "code": 400}})
         except Exception as e:  # noqa: BLE001 - a model validator's own refusal (VLLMValidationError)
             return compat.error_answer(e, Answer)
+        call = self._bound(route, scope)
+        began = dict(vars(call.__self__))
         try:
-            result = await handler.call(request, raw_request)
+            result = await call(request, raw_request)
         except (LoractlError, asyncio.CancelledError):
             raise   # loractl's own refusals (a broken adapter, a draining daemon): the door's to answer
         except Exception as e:  # noqa: BLE001 - answered as vLLM's server answers it
             if not isinstance(e, ValueError) and type(e).__name__ != "VLLMValidationError":
                 _log.error("vLLM's %s handler failed", route, exc_info=e)
             return compat.error_answer(e, Answer)
-        return compat.serving_answer(result, Answer)
+        finally:
+            self._kept(self._routes[route].method.__self__, call.__self__, began)
+        answer = compat.serving_answer(result, Answer)
+        answer.scope = scope
+        return answer
 
 
 @contextlib.asynccontextmanager
@@ -394,6 +422,25 @@ def unadmitted_surface(engine: Any) -> OpenAISurface:
     caller that owns the engine alone (the self-check, benchmarks), never the daemon's doors."""
     return OpenAISurface(engine, engine.settings.openai, _no_gate, lambda label, tokens: None,
                          [engine.settings.model])
+
+
+_MISSING = object()
+
+
+def _trusting(renderer: Any, template: str) -> Any:
+    """A shallow copy of vLLM's ``OnlineRenderer`` that takes ``template`` (a profile's, the
+    daemon owner's) as a request's chat_template without --trust-request-chat-template; a
+    client's own template is still checked as vLLM checks it."""
+    check = renderer.validate_chat_template
+    trusting = copy.copy(renderer)
+
+    def validate_chat_template(request_chat_template, chat_template_kwargs, trust_request_chat_template):
+        if request_chat_template == template:
+            request_chat_template = None
+        return check(request_chat_template, chat_template_kwargs, trust_request_chat_template)
+
+    trusting.validate_chat_template = validate_chat_template
+    return trusting
 
 
 def _first_line(error: Any) -> str:

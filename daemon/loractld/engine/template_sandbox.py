@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import inspect
 import json
@@ -56,9 +55,12 @@ START_SECONDS = 120.0            # a child's start (imports transformers' chat t
 # Templates the daemon's owner gave (the model's own, --chat-template): compiled in the daemon,
 # as vLLM compiles them. Any other is only parsed here (parsing folds nothing).
 _TRUSTED: set[str] = set()
-# (template, its variables) for the render this context runs: what vLLM's kwargs filter reads.
-_VARIABLES: contextvars.ContextVar[tuple[str, frozenset[str]] | None] = contextvars.ContextVar(
-    "loractl_template_variables", default=None)
+# A template's undeclared variables as a child found them (a function of the template's text
+# alone, so shared by every render of it): what vLLM's kwargs filter reads for a template the
+# daemon must not compile. The last 64 templates, and any a render is using (_RENDERING).
+_FOUND: dict[str, frozenset[str]] = {}
+_FOUND_KEPT = 64
+_RENDERING: dict[str, int] = {}
 
 
 def trust(template: Any) -> None:
@@ -93,9 +95,9 @@ def patch_vllm() -> None:
             return None
 
     def _cached_resolve_chat_template_kwargs(chat_template: str) -> Any:
-        found = _VARIABLES.get()
-        if found is not None and found[0] == chat_template:
-            return found[1]
+        found = _FOUND.get(chat_template)
+        if found is not None:
+            return found
         return variables(chat_template)   # vLLM's own path (the renders this module does not take)
 
     _try_extract_ast._loractl_sandbox = True   # type: ignore[attr-defined]
@@ -186,7 +188,6 @@ class TemplateSandbox:
         self.renders = 0          # renders done here (tests, metrics)
         self.killed = 0           # children killed (deadline, memory, cancelled)
         self._spare: asyncio.Task | None = None
-        self._variables: dict[str, frozenset[str]] = {}
         _TRUSTED.add(server_template) if server_template is not None else None
 
     def wraps(self, kwargs: dict[str, Any]) -> bool:
@@ -230,11 +231,15 @@ class TemplateSandbox:
                 return captured.arguments
             raise VLLMValidationError("the chat template was not applied")   # vLLM did not call it
 
-        token = _VARIABLES.set((template, known))
+        _FOUND.setdefault(template, known)   # read by vLLM's kwargs filter in the thread below
+        _RENDERING[template] = _RENDERING.get(template, 0) + 1
         try:
-            call = await asyncio.to_thread(record)   # the thread sees _VARIABLES (a copy of this context)
+            call = await asyncio.to_thread(record)
         finally:
-            _VARIABLES.reset(token)
+            if _RENDERING[template] == 1:
+                del _RENDERING[template]
+            else:
+                _RENDERING[template] -= 1
         extra = dict(call.pop("kwargs", None) or {})
         if call.get("return_assistant_tokens_mask"):
             raise VLLMValidationError("return_assistant_tokens_mask is not served with a profile's chat template")
@@ -267,12 +272,14 @@ class TemplateSandbox:
         """``template``'s undeclared variables (vLLM's ``resolve_chat_template_kwargs`` keeps the
         keyword arguments it names), found in a child: finding them compiles the template, and
         Jinja's compiler folds constants (``"a" * 400000000`` is built there)."""
-        known = self._variables.get(template)
+        known = _FOUND.get(template)
         if known is None:
             known = frozenset((await self._ask(json.dumps({"variables_of": template}).encode()))["variables"])
-            if len(self._variables) >= 64:
-                self._variables.pop(next(iter(self._variables)))
-            self._variables[template] = known
+            if len(_FOUND) >= _FOUND_KEPT:
+                oldest = next((t for t in _FOUND if t not in _RENDERING), None)
+                if oldest is not None:
+                    del _FOUND[oldest]
+            _FOUND[template] = known
         return known
 
     async def _ask(self, request: bytes) -> dict:

@@ -175,6 +175,6 @@ async def generate(surface: Any, sampling: Sampling, adapter: Any = None, **prom
     """:func:`plan` and :func:`deltas` in one, for a caller that holds no lease (the self-check,
     benchmarks): ``prompt`` is one of ``messages``, ``prompt`` or ``prompt_token_ids``."""
     planned = await plan(surface, model=surface.served_name, sampling=sampling, **prompt)
-    scope = surface.scope(adapter.label if adapter is not None else "", adapter, None, current=False)
+    scope = surface.scope(adapter.label if adapter is not None else "", adapter, None)
     async for delta in deltas(surface, planned, planned.params, scope):
         yield delta

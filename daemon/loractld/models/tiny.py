@@ -1,4 +1,4 @@
-"""The embedded default: a tiny Llama model and demo LoRA adapters, built locally.
+"""The test model (``--model tiny``): a random two-layer Llama and LoRA adapters for it, built locally.
 
 No hub is reachable on many machines (CI, air-gapped labs), yet loractl must be runnable and
 testable end to end. This module builds, offline and in seconds:

@@ -42,7 +42,6 @@ class Preflight:
         self._passed: set[str] = set()
         self._refused: dict[str, InvalidAdapter] = {}
         self._running: dict[str, asyncio.Future] = {}
-        self.timings_ms: list[float] = []   # each run's cost, for the log and the tests
 
     @property
     def running(self) -> int:
@@ -79,7 +78,6 @@ class Preflight:
         reason = await engine.preflight(f"preflight:{label}@{digest[:16]}", int(digest[:8], 16) & _ID_MASK or 1,
                                         str(path))
         elapsed_ms = (time.perf_counter() - began) * 1000
-        self.timings_ms.append(elapsed_ms)
         _log.info("preflight %s (%s): %s in %.1f ms", label, digest[:12], "refused" if reason else "ok", elapsed_ms)
         if reason is None:
             self._passed.add(digest)

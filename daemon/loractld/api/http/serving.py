@@ -197,8 +197,8 @@ class Serving:
         held = Held(self.limiter.release)
         try:
             adapter, name = await until_disconnected(request, self._resolve(target, held))
-            surface.scope(model, adapter, name, template=profile.template if profile is not None else None)
-            answer = await until_disconnected(request, surface.answer(route, body, request))
+            scope = surface.scope(model, adapter, name, template=profile.template if profile is not None else None)
+            answer = await until_disconnected(request, surface.answer(route, body, request, scope))
         except BaseException:
             held.release()
             raise

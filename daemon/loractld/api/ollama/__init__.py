@@ -7,7 +7,7 @@ Routes: ``GET /api/tags``, ``GET /api/ps``, ``POST /api/show``, ``POST /api/pull
 uploaded adapter files), ``GET /api/version``, and ``GET``/``HEAD /`` ("Ollama is running").
 Every stored adapter and profile is a model (``names``: how the
 names map), generation is the OpenAI door's (``generation``; ``dicts`` reads its answers as
-dicts where the door does not offer ``chat_dict``/``completion_dict``), options are mapped or refused by
+dicts), options are mapped or refused by
 name (``options``), ``keep_alive`` moves adapters between the tiers within the trust rules
 (``residency``), failures are in Ollama's shape (``errors``). Not served: embeddings, image
 inputs, ``push``, and ``create`` of a new base model (``files``) or ``quantize``: the daemon

@@ -1,6 +1,5 @@
 """The OpenAI door's answers as dicts: ``chat_dict`` / ``completion_dict`` over its
-``Serving.answer`` (the door's checks in front, then vLLM's serving classes), for a door that
-does not offer them itself.
+``Serving.answer`` (the door's checks in front, then vLLM's serving classes).
 
 An answer is vLLM's JSON body, or its server-sent events decoded one ``data:`` line at a time
 into chunk dicts (``[DONE]`` ends them); a refusal (a status of 400 or more, or an error event
@@ -12,6 +11,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.requests import Request
 
@@ -20,24 +21,33 @@ from loractld.api.http.errors import HttpError
 _HINT = "Fix the request: the message says what vLLM's checks refused."
 
 
+@dataclass
+class DictReply:
+    """An answer as dicts: the JSON body, or the stream's chunks; ``scope``: the request's
+    (``engine.openai_serving.RequestScope``: when its first token came)."""
+
+    result: dict | AsyncIterator[dict]
+    scope: Any = None
+
+
 class DictDoor:
     def __init__(self, serving) -> None:
         self.serving = serving
 
-    async def chat_dict(self, body: dict, request: Request) -> dict | AsyncIterator[dict]:
+    async def chat_dict(self, body: dict, request: Request) -> DictReply:
         return await self._answer("chat", body, request)
 
-    async def completion_dict(self, body: dict, request: Request) -> dict | AsyncIterator[dict]:
+    async def completion_dict(self, body: dict, request: Request) -> DictReply:
         return await self._answer("completion", body, request)
 
-    async def _answer(self, route: str, body: dict, request: Request):
+    async def _answer(self, route: str, body: dict, request: Request) -> DictReply:
         answer, held = await self.serving.answer(route, request, body)
         if answer.stream is None:
             held.release()
             if answer.status >= 400:
                 raise refusal(answer.status, answer.body or {})
-            return answer.body
-        return _chunks(answer.stream, held)
+            return DictReply(answer.body, answer.scope)
+        return DictReply(_chunks(answer.stream, held), answer.scope)
 
 
 def refusal(status: int, body: dict) -> HttpError:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -32,24 +32,15 @@ from loractld.api.ollama.residency import KeepAliveEffect
 from loractld.api.ollama.translate import Clock, Stream, answer, chat_body, empty, generate_body
 
 if TYPE_CHECKING:
+    from loractld.api.ollama.dicts import DictDoor
     from loractld.core import Core
     from loractld.core.policy import Caller
 
 NDJSON = "application/x-ndjson"
 
 
-class OpenAIDoor(Protocol):
-    """The OpenAI door's generation, as this door calls it: an OpenAI request body in, the
-    OpenAI answer out (an async iterator of chunks when ``body["stream"]``); refusals raise
-    ``HttpError``."""
-
-    async def chat_dict(self, body: dict, request: Request) -> dict | AsyncIterator[dict]: ...
-
-    async def completion_dict(self, body: dict, request: Request) -> dict | AsyncIterator[dict]: ...
-
-
 class Generation:
-    def __init__(self, core: Core, openai: OpenAIDoor | None,
+    def __init__(self, core: Core, openai: DictDoor,
                  caller_of: Callable[[Request], Awaitable[Caller]]) -> None:
         self.core, self.openai, self.caller_of = core, openai, caller_of
 
@@ -91,13 +82,6 @@ class Generation:
         engine = self.core.engine
         return engine.max_model_len if engine is not None else None
 
-    def _door(self, method: str):
-        call = getattr(self.openai, method, None)
-        if call is None:
-            raise HttpError(501, "generation is not wired to Ollama's API yet", "Use /v1/chat/completions.",
-                            code="not_implemented")
-        return call
-
     async def _effect(self, request: Request, req: dict, target: Target, *, nothing_to_do: bool) -> KeepAliveEffect:
         keep: KeepAlive = parse_keep_alive(req.get("keep_alive"))
         caller = await self.caller_of(request) if keep.action is not None or nothing_to_do else None
@@ -107,11 +91,12 @@ class Generation:
                    request: Request) -> Response:
         await effect.before()
         try:
-            result = await self._door(method)(body, request)
+            reply = await getattr(self.openai, method)(body, request)
         except HttpError as e:
             raise in_ollamas_words(e) from None
+        result = reply.result
         if isinstance(result, dict):
-            clock.first = self.core.answer_first_token_ns()   # a whole answer: when its first token came
+            clock.first = reply.scope.first_token_ns if reply.scope else None   # a whole answer: when its first token came
             out = answer(kind, name, result, clock)
             await effect.after()
             if body.get("stream"):

@@ -22,7 +22,7 @@ from loractld.api.ollama.catalog import Catalog
 from loractld.api.ollama.create import CREATE_FIELDS, CreateDoor
 from loractld.api.ollama.dicts import DictDoor
 from loractld.api.ollama.errors import line
-from loractld.api.ollama.generation import NDJSON, Generation, OpenAIDoor, checked_name, not_found
+from loractld.api.ollama.generation import NDJSON, Generation, checked_name, not_found
 from loractld.api.ollama.names import candidates, resolve
 from loractld.api.ollama.options import refusal
 from loractld.api.ollama.pulls import progress_line, pull_ref
@@ -38,16 +38,13 @@ _OWNER_HINT = ("Send the daemon's API key (--api-key-file), or call as root, the
                "socket group (as loractl pull/rm would).")
 
 
-def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai: OpenAIDoor | None) -> None:
+def add_routes(app: FastAPI, core: Core, settings: HttpSettings, openai) -> None:
     catalog = Catalog(core)
     key_required = settings.api_key is not None
-    if openai is not None and not hasattr(openai, "chat_dict"):
-        openai = DictDoor(openai)   # the door's Serving: its answers read as dicts
-
     async def caller(request: Request) -> policy.Caller:
         return await caller_of(request, key_required, PEER_UID)
 
-    generation = Generation(core, openai, caller)
+    generation = Generation(core, DictDoor(openai), caller)   # the door's Serving, its answers read as dicts
     creating = CreateDoor(core, settings.body_timeout_s)
 
     async def body(request: Request, fields: set[str]) -> dict:
