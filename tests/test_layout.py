@@ -99,6 +99,62 @@ def test_the_context_variable_rule_would_catch_one():
     assert _context_vars(ast.parse("from contextvars import ContextVar\n")) == [1]
 
 
+# Calls run on the caller's own behalf, not kept by a callee below: not a way up.
+_RUNNERS = {"to_thread", "create_task", "ensure_future", "run_in_executor", "gather", "wait_for", "shield",
+            "add_done_callback", "wait", "partial"}
+# Core methods still handed below, with why they are not on a request's path.
+_KNOWN_WAYS_UP = {
+    ("lifecycle.py", "apply_startup", "core.vet"): "start-up's pins and preloads checked as a load is (once, before READY)",
+    ("core/disk_ops.py", "pull", "lambda over core"): "a pull's install announced by the core (no request waits on it)",
+}
+
+
+def _handed_down(path: str, tree: ast.AST, core_methods: set[str]) -> list[tuple[str, str, str, int]]:
+    """Calls in ``tree`` that hand a callee a method of the core (``core.X``/``self.X``) or a
+    lambda over it: a way for code below to call back up."""
+    found = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        if name in _RUNNERS:
+            continue
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            if (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name)
+                    and arg.value.id in ("core", "self") and arg.attr in core_methods):
+                found.append((path, name, f"{arg.value.id}.{arg.attr}", arg.lineno))
+            elif isinstance(arg, ast.Lambda) and any(isinstance(n, ast.Name) and n.id in ("core", "self")
+                                                     for n in ast.walk(arg)):
+                found.append((path, name, "lambda over core", arg.lineno))
+    return found
+
+
+def _core_methods() -> set[str]:
+    from loractld.core import Core
+
+    return {n for n in dir(Core) if callable(getattr(Core, n, None)) and not isinstance(getattr(Core, n), property)}
+
+
+def test_no_core_method_is_handed_below_the_core():
+    """A request's calls flow down: the core hands its parts objects that own their state (the
+    admission: ``serving.admitted``), never its own methods as callbacks (the gate's ``on_admit``
+    was ``core.admitted``, the surface's ``admit`` was ``Core.engine_request``). Read in the
+    process floor and the core, where the parts are built and wired."""
+    methods = _core_methods()
+    found = [w for path, tree in MODULES if path.parts[0] == "core" or str(path) == "lifecycle.py"
+             for w in _handed_down(str(path), tree, methods)]
+    unknown = [w for w in found if w[:3] not in _KNOWN_WAYS_UP]
+    assert not unknown, f"core methods handed below the core (a call back up): {unknown}"
+    assert {w[:3] for w in found} == set(_KNOWN_WAYS_UP), "a known way up is gone: drop it from the list"
+
+
+def test_the_way_up_rule_would_catch_a_callback():
+    tree = ast.parse("gate = Gate(2, policy, on_admit=core.admitted)\nsurface = S(engine, self.engine_request)\n"
+                     "x = asyncio.to_thread(self.close_matches, 'a')\nt = T(busy=lambda: core.ready)\n")
+    assert [w[1:3] for w in _handed_down("x.py", tree, {"admitted", "engine_request", "close_matches"})] == [
+        ("Gate", "core.admitted"), ("S", "self.engine_request"), ("T", "lambda over core")]
+
+
 def test_the_rules_would_catch_a_breach():
     """The checks read real import statements: a planted vllm import in api/ is seen."""
     tree = ast.parse("from vllm.lora.request import LoRARequest\nfrom loractld.store.disk import Store\n")

@@ -371,8 +371,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
         else:
             assert core.catalog is not None
             gate = Gate(engine.settings.max_loras, make_policy(settings.admission_policy,
-                                                               settings.admission_max_wait_s),
-                        on_admit=core.admitted)
+                                                               settings.admission_max_wait_s))
             tiers = Tiers(engine, core.catalog.resolver, open_state(layout.state_dir / "state.json", core.catalog.store),
                           core.events, core.metrics, gate, max_loras=engine.settings.max_loras,
                           max_cpu_loras=engine.settings.max_cpu_loras)
@@ -400,8 +399,10 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             core.start_checking()
             publisher.set_ready(True)
             publisher.start()
+            model_label = core.model_label
+
             def ready_status() -> str:
-                return f"STATUS=ready: {core.model_label} on {engine.device}, {len(tiers.pinned_names())} pinned"
+                return f"STATUS=ready: {model_label} on {engine.device}, {len(tiers.pinned_names())} pinned"
 
             systemd.notify("READY=1", ready_status())
             watchdog = asyncio.create_task(_watchdog(systemd, core, stop))

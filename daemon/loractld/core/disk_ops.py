@@ -179,8 +179,9 @@ class DiskOps:
                                  "recreated).")
         # New content is hashed and validated off the loop (the checks below then ask its caches).
         await asyncio.to_thread(catalog.resolver.warm, [name])
-        if self._serving[name] > 0:
-            raise InvalidRequest(f"{name!r} is serving {self._serving[name]} request(s)",
+        serving = self.admission.serving[name] if self.admission is not None else 0
+        if serving > 0:
+            raise InvalidRequest(f"{name!r} is serving {serving} request(s)",
                                  "Wait for them to finish, then remove it.")
         # A stopped engine (asleep after --keep-alive idle, on the CPU) holds nothing: no wake.
         _, tiers = await self._wait_engine(wake=not self._engine_stopped_asleep())

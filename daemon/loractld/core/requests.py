@@ -8,9 +8,10 @@ Invariants (on top of :mod:`loractld.core.state`'s):
 - Nothing on the request path reads the engine's tier state: a generation resolves its adapter
   from the resolver's in-memory index and only marks the tiers busy (``Tiers.note_activity``);
   the tier follower does the reading, off the path.
-- Every generation passes the admission gate (``loractld.serving.admission``) before the engine sees
-  it, and leaves it when it ends however it ends: the engine never holds requests for more
-  distinct adapters than the device slots the pins leave free.
+- Every generation passes the admission gate (``loractld.serving.admitted``, handed down to the
+  engine's serving surface) before the engine sees it, and leaves it when it ends however it
+  ends: the engine never holds requests for more distinct adapters than the device slots the
+  pins leave free.
 - An adapter's content reaches the engine in a request or a load only once the engine's own
   loader accepted it (``store.preflight``: once per content; a set lookup after that).
 - An adapter folder a request may still need (vLLM reloads from disk after an eviction) is
@@ -27,12 +28,10 @@ import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from loractl.errors import AdapterNotFound, EngineUnavailable, InvalidRequest
+from loractl.errors import AdapterNotFound, InvalidRequest
 from loractld.worker import hooks
 from loractld.core import policy
-from loractld.events import Event
 from loractld.generation import GenerationRequest, Prepared, UnknownModel
-from loractld.serving.admission import WAIT_BUCKETS, Ticket, TicketLabel
 from loractld.core import ondemand
 from loractld.engine import vllm_requests
 
@@ -47,21 +46,6 @@ ROLES = ("system", "user", "assistant")
 
 
 class RequestPath:
-    def admitted(self, ticket: Ticket) -> None:
-        """The gate let ``ticket`` into the engine: observe its wait; tell who waited; note where
-        its adapter is (as last read, no read now), so its first token says how long it then
-        waited for the adapter's load (:meth:`_generated`)."""
-        if ticket.key is None:
-            return
-        if self.tiers is not None:
-            tier = self.tiers.last_state.residency(ticket.key).tier
-            ticket.load_from = "" if tier == "device" else tier
-        self.metrics.observe("loractl_admission_wait_seconds", (("adapter", ticket.label),), ticket.wait_s,
-                             buckets=WAIT_BUCKETS)
-        if ticket.waited:
-            self.events.publish(Event("WAITED_FOR_SLOT", ticket.label, reason="admission",
-                                      message=f"request {ticket.id} waited {ticket.wait_s:.3f} s for a device slot"))
-
     # -- generation -----------------------------------------------------------------------
     def base_model_names(self) -> set[str]:
         """Every name that means the base model: the served name, --model, its folder and ids."""
@@ -72,29 +56,19 @@ class RequestPath:
 
     async def openai_surface(self) -> OpenAISurface:
         """vLLM's OpenAI serving classes over this daemon's engine (built once per engine): the
-        HTTP door's generation routes. Their engine requests pass :meth:`engine_request`."""
+        HTTP door's generation routes. Their engine requests pass the core's
+        :class:`~loractld.serving.admitted.Admission`."""
         engine, _ = await self._wait_engine()
         if self._openai is None or self._openai[0] is not engine or self._openai[1].stale:  # stale: a new engine (a wake)
             from loractld.engine.openai_serving import OpenAISurface
 
-            surface = OpenAISurface(engine, engine.settings.openai, self.engine_request, self._generated,
+            assert self.admission is not None
+            surface = OpenAISurface(engine, engine.settings.openai, self.admission,
                                     [self.served_model_name or self.model_label])
             old, self._openai = self._openai, (engine, surface)
             if old is not None:   # the last engine's: its idle template renderers go (a keep-alive wake)
                 await old[1].templates.close()
         return self._openai[1]
-
-    def _generated(self, label: tuple, tokens: int) -> None:
-        self.metrics.inc("loractl_adapter_generated_tokens_total", label, tokens)
-        ticket = getattr(label, "ticket", None)   # a TicketLabel: the gate measures the first token
-        if tokens and ticket is not None and self.gate is not None:
-            first = ticket.first_token is None
-            self.gate.first_token(ticket)   # once: it ignores a ticket that had its first token
-            if first and ticket.load_from and ticket.first_token is not None:
-                # Admission to first token of a request whose adapter had to come to the device:
-                # its load (and its prefill), what thrash costs a request past the gate.
-                self.metrics.observe("loractl_adapter_load_wait_seconds", (("from", ticket.load_from),),
-                                     ticket.first_token - ticket.admitted, buckets=WAIT_BUCKETS)
 
     async def sampling_defaults(self) -> dict:
         """The model's own defaults for sampling parameters a request leaves out."""
@@ -191,39 +165,6 @@ class RequestPath:
                 # later takes its own (``share``), or hears that the adapter went.
                 lease.release()
                 prepared.lease.release()
-
-    @contextlib.asynccontextmanager
-    async def engine_request(self, adapter: AdapterRef | None, name: str | None):
-        """The body runs as one engine request for ``adapter`` (None: the base model): drained on
-        shutdown, counted as serving ``name``, and behind the admission gate, which it leaves
-        however it ends. Yields the metrics label of the adapter (``loractl top``'s tokens/s).
-        The caller holds the adapter's lease for at least as long."""
-        tiers = self.tiers
-        assert tiers is not None and self.catalog is not None
-        if self.draining:
-            raise EngineUnavailable("the daemon is shutting down", "Start it again, then retry.")
-        tiers.note_request(name or (adapter.label if adapter else ""))
-        if name:
-            self._serving[name] += 1
-        if adapter:
-            tiers.note_activity()  # the tier follower reports the lazy load, if any, soon
-        gate, ticket = self.gate, None
-        assert gate is not None
-        try:
-            with self._tracked("the daemon is shutting down; the generation was stopped"):
-                async with self.engine_hold():   # woken if asleep; no sleep until it ends (--keep-alive)
-                    ticket = await gate.enter(adapter.engine_id if adapter else None,
-                                              name or (adapter.label if adapter else ""), adapter)
-                    label = TicketLabel((("adapter", ticket.label),))
-                    label.ticket = ticket
-                    yield label
-        finally:
-            if ticket is not None:
-                gate.finish(ticket)
-            if name:
-                self._serving[name] -= 1
-            if adapter:
-                tiers.note_activity()
 
     async def _resolve_adapter(self, catalog: Catalog, lora: str, allow_folders: bool) -> AdapterRef:
         """The adapter ``lora`` names; new content is hashed and validated off the event loop."""

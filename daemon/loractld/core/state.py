@@ -11,16 +11,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loractl.errors import Cancelled, EngineUnavailable, LoractlError
+from loractl.errors import EngineUnavailable, LoractlError
 from loractld.events import Event, EventBus, Metrics
+from loractld.serving.admitted import Admission
 from loractld.serving.finishing import Finishing
+from loractld.serving.inflight import InFlight
 from loractld.startup import StartupProgress
 from loractld.store.preflight import Preflight
 from loractld.store.profiles import Profiles
@@ -85,10 +86,9 @@ class CoreState:
         self.model_name: ModelName | None = None  # the base model as users know it, once resolved
         self.started = time.monotonic()
         self.started_wall = time.time()
-        self.draining = False
+        self.work = InFlight()      # generations, pulls and merges running: drained at shutdown
+        self.admission: Admission | None = None   # every engine request's way in (set_engine)
         self.engine_died = False
-        self._inflight: set[asyncio.Task] = set()
-        self._serving: collections.Counter[str] = collections.Counter()  # store name -> running requests
         self._after_installs = Finishing("a pull's announcement")   # Core._installed's work, whoever waits
         self._openai: tuple[Engine, OpenAISurface] | None = None  # the HTTP door's serving classes, per engine
         self._blobs: Blobs | None = None           # Ollama's uploads, opened at the first (ProfileOps.blob_store)
@@ -98,7 +98,7 @@ class CoreState:
         self._warming: asyncio.Task | None = None   # a listing's background validation (DiskOps.warm_in_background)
         self._manifest_views: dict = {}            # id(StoredAdapter) -> (it, its view): DiskOps.list_adapters
         self._blobs_opening = asyncio.Lock()
-        self.keep_alive: KeepAlive | None = None   # --keep-alive: the engine's sleep (loractld.serving.keep_alive)
+        self._keep_alive: KeepAlive | None = None   # --keep-alive: the engine's sleep (loractld.serving.keep_alive)
 
     # -- lifecycle, driven by loractld.lifecycle ------------------------------------------
     def set_catalog(self, catalog: Catalog) -> None:
@@ -109,7 +109,25 @@ class CoreState:
         self.engine = engine
         self.tiers = tiers
         self.gate = tiers.gate
+        self.admission = Admission(tiers.gate, tiers, self.metrics, self.events, self.work)
+        self.admission.keep_alive = self._keep_alive
         self.engine_ready.set()
+
+    @property
+    def keep_alive(self) -> KeepAlive | None:
+        return self._keep_alive
+
+    @keep_alive.setter
+    def keep_alive(self, keeper: KeepAlive | None) -> None:
+        """--keep-alive's, once started: the core's waits and every engine request hold it."""
+        self._keep_alive = keeper
+        if self.admission is not None:
+            self.admission.keep_alive = keeper
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new work is refused (see :class:`~loractld.serving.inflight.InFlight`)."""
+        return self.work.draining
 
     def set_started(self) -> None:
         """Start-up is over (READY=1): :attr:`ready` from now on, while the engine serves."""
@@ -129,19 +147,11 @@ class CoreState:
     @property
     def requests_in_flight(self) -> int:
         """Generations and pulls running now."""
-        return len(self._inflight)
+        return len(self.work)
 
     async def drain(self, grace_seconds: float) -> int:
         """Refuse new work, wait up to ``grace_seconds``, cancel the rest; return how many."""
-        self.draining = True
-        if self._inflight:
-            await asyncio.wait(set(self._inflight), timeout=grace_seconds)
-        leftover = [t for t in self._inflight if not t.done()]
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            await asyncio.wait(leftover, timeout=5)
-        return len(leftover)
+        return await self.work.drain(grace_seconds)
 
     async def _ready(self, event: asyncio.Event) -> None:
         if self.draining:
@@ -173,29 +183,16 @@ class CoreState:
     def engine_hold(self):
         """``async with``: the body uses the engine, which is awake for it and does not fall asleep
         (``--keep-alive``) before it ends."""
-        return self.keep_alive.hold() if self.keep_alive is not None else contextlib.nullcontext()
+        return self._keep_alive.hold() if self._keep_alive is not None else contextlib.nullcontext()
 
     async def _wait_catalog(self) -> Catalog:
         await self._ready(self.catalog_ready)
         assert self.catalog is not None
         return self.catalog
 
-    @contextlib.contextmanager
     def _tracked(self, cancel_message: str):
-        """Run the body as in-flight work of the current task: drained on shutdown, and a
-        cancellation by the drain surfaces as ``Cancelled`` (a client going away stays a
-        plain cancellation)."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._inflight.add(task)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if not self.draining:
-                raise
-            raise Cancelled(cancel_message, "Start the daemon again and rerun the command.") from None
-        finally:
-            self._inflight.discard(task)
+        """``with``: the body is in-flight work of the current task (:meth:`InFlight.tracked`)."""
+        return self.work.tracked(cancel_message)
 
     @property
     def model_label(self) -> str:

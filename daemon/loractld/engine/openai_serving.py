@@ -3,9 +3,10 @@ tokenization) over loractl's engine: what `vllm serve --enable-lora` answers, an
 
 vLLM's serving classes are handed two things of loractl's instead of vLLM's:
 - an engine client (:class:`AdmittedEngineClient`): vLLM's ``AsyncLLM`` except for
-  ``generate``, which runs each engine request behind loractl's admission gate (``admit``,
-  the core's ``engine_request``), refuses an adapter the worker failed to load (the broken
-  journal), orders a stop string's abort before the gate hands the slot on, and counts tokens;
+  ``generate``, which runs each engine request inside the admission it was handed
+  (``loractld.serving.admitted.Admission``: the drain, the gate, the token counts), refuses an
+  adapter the worker failed to load (the broken journal), and orders a stop string's abort
+  before the gate hands the slot on;
 - a models registry (:class:`ScopedModels`) that knows one adapter: the one the door resolved
   through the store for the request being served (its :class:`RequestScope`). vLLM's own
   registry would keep names, counter ids and a permanent cache of its own; loractl's names map
@@ -185,10 +186,9 @@ class AdmittedEngineClient:
     """vLLM's engine client for its serving classes: the engine's ``AsyncLLM`` in everything
     but ``generate``. See the module for what ``generate`` adds."""
 
-    def __init__(self, engine: Any, admit: Callable, count: Callable[[Any, int], None]) -> None:
+    def __init__(self, engine: Any, admission: Any) -> None:
         self._engine = engine
-        self._admit = admit
-        self._count = count
+        self._admission = admission   # its request(adapter, name) and generated(label, tokens)
 
     @property
     def _llm(self) -> Any:
@@ -220,7 +220,8 @@ class AdmittedEngineClient:
             sampling_params = sampling_params.clone()
             sampling_params.output_kind = RequestOutputKind.CUMULATIVE
         engine = self._engine
-        async with self._admit(adapter, scope.name) as label:
+        count = self._admission.generated
+        async with self._admission.request(adapter, scope.name) as label:
             engine_ids: list[str] = []
             produced = 0
             async for out in self._llm.generate(prompt, sampling_params, request_id, lora_request=lora_request,
@@ -235,9 +236,9 @@ class AdmittedEngineClient:
                 if tokens and scope.first_token_ns is None:
                     scope.first_token_ns = time.perf_counter_ns()
                 if delta:
-                    self._count(label, tokens)
+                    count(label, tokens)
                 elif final_only:
-                    self._count(label, tokens - produced)
+                    count(label, tokens - produced)
                     produced = tokens
                     if not out.finished:
                         continue
@@ -245,7 +246,7 @@ class AdmittedEngineClient:
                     produced = tokens
                 yield out
             if not delta and not final_only and produced:
-                self._count(label, produced)
+                count(label, produced)
 
 
 class ScopedEngineClient:
@@ -267,11 +268,10 @@ class OpenAISurface:
     """vLLM's serving classes, built once over an :class:`AdmittedEngineClient`; the door calls
     :meth:`answer` with a route name and the request's JSON body."""
 
-    def __init__(self, engine: Any, options: ServeOptions, admit: Callable, count: Callable,
-                 served_names: list[str]) -> None:
+    def __init__(self, engine: Any, options: ServeOptions, admission: Any, served_names: list[str]) -> None:
         self._engine = engine
         self._built_on = engine._llm
-        self.client = AdmittedEngineClient(engine, admit, count)
+        self.client = AdmittedEngineClient(engine, admission)
         self._routes = compat.openai_serving(self.client, ScopedModels, served_names, engine.settings.model,
                                              options, engine.settings.chat_template)
         self._validators: dict[str, Any] = {}
@@ -412,16 +412,21 @@ class OpenAISurface:
         return answer
 
 
-@contextlib.asynccontextmanager
-async def _no_gate(adapter: Any, name: str | None):
-    yield ()
+class _NoAdmission:
+    """No gate, no counts: for a caller that owns the engine alone."""
+
+    @contextlib.asynccontextmanager
+    async def request(self, adapter: Any, name: str | None):
+        yield ()
+
+    def generated(self, label: Any, tokens: int) -> None:
+        pass
 
 
 def unadmitted_surface(engine: Any) -> OpenAISurface:
     """The serving classes over ``engine`` with no admission gate and no token counts: for a
     caller that owns the engine alone (the self-check, benchmarks), never the daemon's doors."""
-    return OpenAISurface(engine, engine.settings.openai, _no_gate, lambda label, tokens: None,
-                         [engine.settings.model])
+    return OpenAISurface(engine, engine.settings.openai, _NoAdmission(), [engine.settings.model])
 
 
 _MISSING = object()

@@ -237,8 +237,8 @@ class AdaptiveBatching(AdapterBatching):
 class Gate:
     """The admission gate. Single-threaded: every method runs on the daemon's event loop.
 
-    ``on_wait`` is called with each ticket that was queued, when it is admitted (the daemon
-    publishes an event and observes the wait); ``clock`` is injectable for tests.
+    ``on_admit`` is called with each ticket when it is admitted (``serving.admitted.Admission``
+    sets it: it publishes an event and observes the wait); ``clock`` is injectable for tests.
     """
 
     def __init__(self, places: int, policy: Policy, *, on_admit: Callable[[Ticket], None] | None = None,

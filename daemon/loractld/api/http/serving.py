@@ -14,7 +14,7 @@ In front, in this order, before vLLM's code sees the request:
    The resolve's lease holds the adapter's folder until the response ends, however it ends.
 
 Then vLLM's handler answers, its engine requests passing loractl's admission gate
-(``Core.engine_request``). Every error is in the OpenAI error schema with a hint (the Anthropic
+(``serving.admitted.Admission``, handed down by the core). Every error is in the OpenAI error schema with a hint (the Anthropic
 route in Anthropic's); a client that goes away cancels the handler, which aborts in the engine.
 """
 
