@@ -104,7 +104,6 @@ _RUNNERS = {"to_thread", "create_task", "ensure_future", "run_in_executor", "gat
             "add_done_callback", "wait", "partial"}
 # Core methods still handed below, with why they are not on a request's path.
 _KNOWN_WAYS_UP = {
-    ("lifecycle.py", "apply_startup", "core.vet"): "start-up's pins and preloads checked as a load is (once, before READY)",
     ("core/disk_ops.py", "pull", "lambda over core"): "a pull's install announced by the core (no request waits on it)",
 }
 

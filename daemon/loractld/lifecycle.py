@@ -378,7 +378,7 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             if settings.prefetch:
                 Prefetcher(tiers, gate)   # it watches the gate from now on
             await tiers.sync()
-            for failure in await tiers.apply_startup(list(settings.preload), vet=core.vet):
+            for failure in await tiers.apply_startup(list(settings.preload), core.catalog.preflight):
                 _log.warning("startup: %s", failure)
             core.set_engine(engine, tiers)
             # Every door's requests are rendered by vLLM's serving classes: built (and their

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable
 
 from loractl.errors import InvalidRequest, LoractlError
 from loractld.store.identity import AdapterRef, AdapterResolver
@@ -43,6 +43,9 @@ from loractld.serving.finishing import Finishing
 from loractld.serving.pins import PersistentState
 from loractld.serving.reader import EngineStateReader
 from loractld.serving.residency import EngineState, Residency, TierEngine, Usage
+
+if TYPE_CHECKING:
+    from loractld.store.preflight import Preflight
 
 _log = logging.getLogger("loractld.tiers")
 
@@ -452,20 +455,19 @@ class Tiers:
             self.state.save()
         return dropped
 
-    async def apply_startup(self, preload: list[str],
-                            vet: Callable[[str], Awaitable[None]] | None = None) -> list[str]:
+    async def apply_startup(self, preload: list[str], preflight: Preflight | None = None) -> list[str]:
         """Re-pin the persisted pins, then load the preload list; return the failures.
 
-        ``vet(name)`` runs first for each (the daemon passes the engine's preflight: a file
-        placed or changed while the daemon was down reaches the engine only through it).
+        ``preflight`` (``store.preflight``: the engine's own loader) checks each one's content
+        first, where the daemon passes it: a file placed or changed while the daemon was down
+        reaches the engine only through it.
         A pin or preload that fails (the adapter was removed, or no longer validates) is
         reported and skipped: it never keeps the daemon from serving the others.
         """
         failures = self.fit_saved_pins()
         for name in self.pinned_names():
             try:
-                if vet is not None:
-                    await vet(name)
+                await self._preflighted(name, preflight)
                 await self.pin(name, self.state.pin_of(name), reason="restart")
             except LoractlError as e:
                 failures.append(f"pin {name}: {e.message}")
@@ -474,13 +476,17 @@ class Tiers:
             if self.state.pin_of(name):
                 continue
             try:
-                if vet is not None:
-                    await vet(name)
+                await self._preflighted(name, preflight)
                 await self.load(name, "device", reason="preload")
             except LoractlError as e:
                 failures.append(f"preload {name}: {e.message}")
                 self.events.publish(Event("FAILED", name, message=e.message, reason="preload"))
         return failures
+
+    async def _preflighted(self, name: str, preflight: Preflight | None) -> None:
+        if preflight is not None:
+            ref = await self.resolver.resolve_async(name)
+            await preflight.check(ref.path, ref.digest, ref.label, ref.engine_id)
 
 
 def _pinned_to_device(name: str, action: str) -> InvalidRequest:
