@@ -79,6 +79,14 @@ def engine_arguments(p, *, adapters: int) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--kv-cache", default=None, help="e.g. 64MiB (CPU default 256MiB)")
+    p.add_argument("--dtype", default=None,
+                   help="every system's dtype (default: float32 on the CPU, vLLM's auto on CUDA; a quantized "
+                        "base on the CPU needs bfloat16)")
+
+
+def dtype(args) -> str:
+    """The dtype every system runs: ``--dtype``, else float32 on the CPU and auto on CUDA."""
+    return getattr(args, "dtype", None) or ("float32" if args.device == "cpu" else "auto")
 
 
 def engine_flags(args) -> list[str]:
@@ -86,6 +94,8 @@ def engine_flags(args) -> list[str]:
              "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len), "--device", args.device]
     if args.kv_cache:
         flags += ["--kv-cache-memory", args.kv_cache]
+    if getattr(args, "dtype", None):
+        flags += ["--dtype", args.dtype]
     return flags
 
 
@@ -133,7 +143,7 @@ def vllm_engine(model: str, args):
     # The server's usage context: the same batch defaults (max_num_seqs, ...) as vLLM's server.
     return AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=model, enable_lora=True, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-        max_lora_rank=args.rank, max_model_len=args.max_model_len, dtype="float32" if cpu else "auto",
+        max_lora_rank=args.rank, max_model_len=args.max_model_len, dtype=dtype(args),
         kv_cache_memory_bytes=kv or (256 << 20 if cpu else None), enforce_eager=cpu, seed=0,
         max_num_seqs=getattr(args, "max_num_seqs", None)), usage_context=UsageContext.OPENAI_API_SERVER)
 

@@ -34,7 +34,14 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--quantize", choices=("awq", "gptq"), default=None,
+                   help="write the model as a 4-bit AWQ or GPTQ checkpoint (tests/quantized_factory.py, the "
+                        "format's documented layout), its dequantized float32 twin in --float-out")
+    p.add_argument("--float-out", type=Path, default=None, help="with --quantize: where the float twin goes")
     args = p.parse_args()
+    if args.quantize:
+        quantize(args)
+        return
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -54,6 +61,21 @@ def main() -> None:
     tok.save_pretrained(args.out)
     shutil.rmtree(tok_dir)
     print(args.out)
+
+
+def quantize(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import quantized_factory
+
+    from loractld.models.tiny import build_tokenizer
+
+    tok_dir = Path(tempfile.mkdtemp())
+    build_tokenizer(tok_dir)
+    shape = {k: v for k, v in SHAPES[args.shape].items() if k != "vocab_size"}
+    twin = args.float_out or args.out.with_name(args.out.name + "-float")
+    quantized_factory.build(args.out, twin, tok_dir, fmt=args.quantize, shape=shape, std=None)
+    shutil.rmtree(tok_dir)
+    print(args.out, twin)
 
 
 if __name__ == "__main__":

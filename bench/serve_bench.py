@@ -300,8 +300,9 @@ def start_server(model: str, names: list[str], paths: list[Path], args, log: Pat
            str(args.max_cpu_loras), "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len),
            "--seed", "0", "--disable-uvicorn-access-log", "--lora-modules",
            *(f"{n}={p}" for n, p in zip(names, paths))]
+    cmd += ["--dtype", _setup.dtype(args)]
     if args.device == "cpu":
-        cmd += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes",
+        cmd += ["--enforce-eager", "--kv-cache-memory-bytes",
                 str(_setup.parse_kv(args.kv_cache) or 256 << 20)]
     elif args.kv_cache:
         # The same KV cache as the daemon's: a fair comparison, and on a shared GPU the server

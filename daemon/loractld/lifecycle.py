@@ -189,8 +189,10 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     catalog = Catalog(store=store, resolver=AdapterResolver(store, validate, settings.max_adapter_bytes, fingerprint),
                       puller=Puller(store, load_sources(), validate, preflight), base_model=base, preflight=preflight,
                       max_lora_rank=limit.rank, profiles=profiles)
-    _log.info("store %s: %d adapter(s); base model %s (shapes %s); max LoRA rank %d", store_dir, len(adapters), model,
-              "known" if base.shapes else "unknown", limit.rank)
+    _log.info("store %s: %d adapter(s); base model %s (shapes %s%s); max LoRA rank %d", store_dir, len(adapters), model,
+              "known" if base.shapes else "unknown",
+              f"; quantized: {base.quantization}, adapters checked against its float layers" if base.quantization
+              else "", limit.rank)
     return catalog
 
 

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loractld.models import quantized
 from loractld.models.moe import expert_count
 from loractld.models.weights import base_model_shapes
 
@@ -26,6 +27,11 @@ class BaseModel:
     names: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[int, ...]] | None = None
     experts: int = 0                             # routed experts per layer (models.moe); 0: a dense model
+    quantization: str = ""                       # as its config declares it (models.quantized); "": float
+
+    def parameters(self) -> int:
+        """The parameters as the float model counts them (a packed layer by its float shape)."""
+        return quantized.parameter_count(self.shapes or {})
 
 
 def describe(model_arg: str, resolved: str, served_name: str | None = None) -> BaseModel:
@@ -46,12 +52,15 @@ def describe(model_arg: str, resolved: str, served_name: str | None = None) -> B
                 if name:
                     info.names.add(str(name))
                 info.experts = expert_count(parsed)
+                info.quantization = quantized.describe(quantized.quantization_config(parsed))
             except ValueError:
                 pass
         try:
             info.shapes = base_model_shapes(folder) or None
         except Exception as e:  # an unreadable base model is vLLM's to report; checks just get weaker
             _log.warning("could not read the base model's weight shapes: %s", e)
+    if info.quantization:   # an adapter trained on the float model (or QLoRA on it) names that model
+        info.names |= {quantized.float_name(n) for n in info.names}
     info.names -= {"demo", "tiny"}
     return info
 

@@ -6,7 +6,9 @@ models it was chosen for (a fixed 256 MiB KV cache cut a 128k-context model to ~
 fixed float32 doubles an 8B model's 16 GB), so both come from the model's config:
 
 - dtype: float32 (exact against float32 references, and no AMX-bf16 path to trip over) unless
-  the float32 weights would take more than half of the memory available now; then bfloat16.
+  the float32 weights would take more than half of the memory available now, or the base is
+  quantized (vLLM's CPU kernels for AWQ and GPTQ take float16 or bfloat16 activations only:
+  float32 is refused at start); then bfloat16.
 - KV cache: enough for one sequence of the model's full context, capped at 4 GiB and at an
   eighth of the memory available, and never below 256 MiB. vLLM then fits the context to it
   (``--max-model-len`` auto) and ``status`` shows the value in force.
@@ -21,6 +23,8 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+from loractld.models import quantized
 
 _log = logging.getLogger("loractld.defaults")
 
@@ -76,9 +80,14 @@ def choose(config: dict | None, parameters: int | None, available: int, dtype: s
            kv_cache_bytes: int | None = None) -> CpuDefaults:
     """The CPU engine's dtype and KV-cache size; explicit values (not 'auto'/None) are kept."""
     reasons = []
+    quantization = quantized.describe(quantized.quantization_config(config or {}))
     if dtype == "auto":
         dtype = "float32"
-        if parameters and available and parameters * 4 > available // 2:
+        if quantization:
+            dtype = "bfloat16"
+            reasons.append(f"bfloat16: a quantized base ({quantization}) runs on vLLM's CPU kernels with "
+                           "bfloat16 or float16 activations")
+        elif parameters and available and parameters * 4 > available // 2:
             dtype = "bfloat16"
             reasons.append(f"bfloat16: float32 weights ({parameters * 4 / 2**30:.1f} GiB) would take more than "
                            f"half of the {available / 2**30:.1f} GiB available")
@@ -110,7 +119,7 @@ def for_model(model: str, dtype: str, kv_cache_bytes: int | None) -> CpuDefaults
         from loractld.models.weights import base_model_shapes
 
         try:
-            shapes = base_model_shapes(folder)
+            shapes = base_model_shapes(folder, float_layers=False)
             parameters = sum(_product(s) for s in shapes.values()) or None
         except Exception:  # unreadable weights are vLLM's to report
             parameters = None

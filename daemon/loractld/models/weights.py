@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loractl.errors import InvalidAdapter
+from loractld.models.quantized import float_shapes, quantization_config
 
 # A safetensors header is JSON parsed in one call that holds the GIL: bounded so that parsing one
 # cannot stall the event loop (a 25 MB header of 200,000 tensors stalled every client 1.6 s).
@@ -84,9 +85,17 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def base_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Weight shapes of a local base model, from its safetensors headers (no data read)."""
+def base_model_shapes(model_dir: Path, *, float_layers: bool = True) -> dict[str, tuple[int, ...]]:
+    """Weight shapes of a local base model, from its safetensors headers (no data read); with
+    ``float_layers``, a quantized checkpoint's packed layers also as the float ``X.weight``
+    adapters fit (``models.quantized``); without, only the tensors the files hold."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         shapes.update({name: info.shape for name, info in read_safetensors_header(file).items()})
-    return shapes
+    if not float_layers:
+        return shapes
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return shapes
+    return float_shapes(shapes, quantization_config(config) if isinstance(config, dict) else None)

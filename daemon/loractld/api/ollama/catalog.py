@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,10 +48,10 @@ class BaseFacts:
     modified: float = 0.0
 
 
-def read_base_facts(folder: str, shapes: dict | None) -> BaseFacts:
+def read_base_facts(folder: str, parameters: int) -> BaseFacts:
     path = Path(folder)
     if not path.is_dir():
-        return BaseFacts(parameters=_count(shapes))
+        return BaseFacts(parameters=parameters)
     config = _json(path / "config.json")
     tokenizer = _json(path / "tokenizer_config.json")
     weights = [p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file()]
@@ -61,7 +60,7 @@ def read_base_facts(folder: str, shapes: dict | None) -> BaseFacts:
         template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
     if not template and (path / "chat_template.jinja").is_file():   # where newer transformers save it
         template = (path / "chat_template.jinja").read_text()
-    return BaseFacts(family=str(config.get("model_type") or ""), parameters=_count(shapes),
+    return BaseFacts(family=str(config.get("model_type") or ""), parameters=parameters,
                      size=sum(p.stat().st_size for p in weights), template=template,
                      modified=max((p.stat().st_mtime for p in weights), default=0.0))
 
@@ -74,8 +73,11 @@ def _json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _count(shapes: dict | None) -> int:
-    return sum(math.prod(shape) for shape in (shapes or {}).values())
+def quantization_level(description: str) -> str:
+    """Ollama's ``quantization_level`` for a quantized base, from the core's one-line description
+    (``awq, 4-bit, groups of 128`` -> ``AWQ_4BIT``)."""
+    words = [w for w in description.split(", ") if not w.startswith("groups")]
+    return "_".join(w.replace("-", "").upper() for w in words)
 
 
 def parameter_size(count: int) -> str:
@@ -101,8 +103,8 @@ class Catalog:
         if self._facts is None:
             catalog = self.core.catalog
             folder = catalog.base_model.model if catalog is not None else ""
-            shapes = catalog.base_model.shapes if catalog is not None else None
-            self._facts = await asyncio.to_thread(read_base_facts, folder, shapes)
+            parameters = catalog.base_model.parameters() if catalog is not None else 0
+            self._facts = await asyncio.to_thread(read_base_facts, folder, parameters)
         return self._facts
 
     @property
@@ -111,6 +113,9 @@ class Catalog:
 
     def _dtype(self) -> str:
         """The weights' type, as Ollama's quantization level (``F32``, ``BF16``)."""
+        catalog = self.core.catalog
+        if catalog is not None and catalog.base_model.quantization:
+            return quantization_level(catalog.base_model.quantization)
         engine = self.core.engine
         dtype = str(engine.dtype).removeprefix("torch.") if engine is not None else ""
         return {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype.upper())
