@@ -203,6 +203,14 @@ def test_a_quantized_upload_names_its_float_model(upload, float_model):
         assert model_names_match("meta/" + float_model.rsplit("/", 1)[-1], {float_name(upload)})
 
 
+def test_a_qlora_adapter_trained_on_a_pre_quantized_upload_names_the_float_model():
+    from loractld.store.validate import model_names_match
+
+    assert model_names_match("unsloth/llama-3-8b-bnb-4bit", {"meta-llama/llama-3-8b"})
+    assert model_names_match("unsloth/llama-3-8b-bnb-4bit", {"/models/llama-3-8b-AWQ", "/models/llama-3-8b"})
+    assert not model_names_match("unsloth/llama-3-8b-bnb-4bit", {"Qwen/Qwen2.5-7B"})
+
+
 def test_a_quantized_base_runs_in_bfloat16_on_the_cpu_unless_told():
     from loractld.models.defaults import choose
 

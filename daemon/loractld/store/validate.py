@@ -21,6 +21,7 @@ from loractl.errors import InvalidAdapter
 from loractld.store import normalize, semantics
 # The store's other modules and the tests take the file names from here.
 from loractld.store.peft import CONFIG_FILE, EMBEDDING_KEY, LORA_KEY, WEIGHTS_FILE, Ranks  # noqa: F401
+from loractld.models.quantized import float_name
 # The store's checks and the tests take these from here; they read any weights file, the base model's too.
 from loractld.models.weights import (MAX_HEADER_BYTES, TensorInfo, base_model_shapes,  # noqa: F401
                                      read_safetensors_header)
@@ -49,13 +50,15 @@ def model_names_match(adapter_base: str, model_names: set[str]) -> bool:
     """Whether an adapter's ``base_model_name_or_path`` names the running model.
 
     Compares whole ids and last path components, case-insensitively, so that
-    ``meta-llama/Llama-3.1-8B`` matches a local folder ``/models/Llama-3.1-8B``.
+    ``meta-llama/Llama-3.1-8B`` matches a local folder ``/models/Llama-3.1-8B``; an adapter
+    trained with QLoRA on a pre-quantized upload (``unsloth/llama-3-8b-bnb-4bit``) also names
+    its float model (``models.quantized.float_name``).
     """
     def forms(name: str) -> set[str]:
         name = name.strip().rstrip("/").lower()
         return {name, name.rsplit("/", 1)[-1]} - {""}
 
-    wanted = forms(adapter_base)
+    wanted = forms(adapter_base) | forms(float_name(adapter_base))
     return any(wanted & forms(n) for n in model_names)
 
 
