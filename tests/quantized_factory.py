@@ -16,6 +16,12 @@ per word in order (nibble i holds row ``8r + i``); ``X.scales`` ``in/g x out`` f
 ``X.qzeros`` ``in/g x out/8`` holding 7 (v1 stores the zero point 8 less one); ``X.g_idx`` the
 group of each input row; the weight is ``(q - 8) * s``.
 
+compressed-tensors W4A16 (``fmt="compressed-tensors"``) is written by the ``compressed_tensors``
+library itself (vLLM's own dependency, the format's reference implementation): its
+``calculate_qparams`` and ``PackedQuantizationCompressor`` quantize and pack each layer
+(``X.weight_packed`` ``out x in/8``, ``X.weight_scale``, ``X.weight_shape``), and its
+``decompress`` gives the reference's weights.
+
 The reference folder holds exactly those dequantized weights in float32 (and the float16-rounded
 embeddings and norms), so HF + PEFT on it is the model the quantized checkpoint means.
 """
@@ -77,6 +83,37 @@ def quantize_gptq(weight):
     return {"qweight": packed, "qzeros": zeros, "scales": scales, "g_idx": g_idx}, dequantized
 
 
+def quantize_compressed_tensors(weight):
+    """A float ``out x in`` weight -> ({compressed-tensors' tensors}, its decompressed float32
+    weight), by the library's own compressor: symmetric 4-bit, groups of GROUP."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    scheme = compressed_tensors_scheme()
+    w = weight.detach().to(torch.float32)
+    grouped = w.reshape(w.shape[0], w.shape[1] // GROUP, GROUP)
+    scale, _ = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme.weights)
+    packed = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(torch.float16)}, scheme)
+    dequantized = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+    return dict(packed), dequantized.to(torch.float32)
+
+
+def compressed_tensors_scheme():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=BITS, type="int", strategy="group", group_size=GROUP, symmetric=True))
+
+
+def compressed_tensors_config() -> dict:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(config_groups={"group_0": compressed_tensors_scheme()}, format="pack-quantized",
+                                ignore=["lm_head"], quantization_status="compressed")
+    return {**config.model_dump(mode="json", exclude_none=True), "quant_method": "compressed-tensors"}
+
+
 def quantize(weight):
     """A float ``out x in`` weight -> (qweight, qzeros, scales, the dequantized float32 weight):
     asymmetric 4-bit, one scale and zero per group of GROUP input rows and output column."""
@@ -124,6 +161,8 @@ def build(folder: Path, reference: Path, tokenizer_source: Path, seed: int = 0, 
             if leaf == "weight" and module.rsplit(".", 1)[-1] in LINEARS:
                 if fmt == "gptq":
                     tensors, dequantized = quantize_gptq(p)
+                elif fmt == "compressed-tensors":
+                    tensors, dequantized = quantize_compressed_tensors(p)
                 else:
                     qweight, qzeros, scales, dequantized = quantize(p)
                     tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
@@ -141,7 +180,8 @@ def build(folder: Path, reference: Path, tokenizer_source: Path, seed: int = 0, 
     tokenizer.save_pretrained(folder)
     declared = json.loads((reference / "config.json").read_text())
     declared |= {"torch_dtype": "float16", "dtype": "float16",
-                 "quantization_config": CONFIGS[fmt]}
+                 "quantization_config": compressed_tensors_config() if fmt == "compressed-tensors"
+                 else CONFIGS[fmt]}
     (folder / "config.json").write_text(json.dumps(declared, indent=2))
     generation = reference / "generation_config.json"
     if generation.exists():

@@ -1,16 +1,18 @@
-"""A quantized base on the CPU (issue 59): an AWQ or GPTQ checkpoint starts (bfloat16 chosen, as vLLM's
-CPU kernels for it need), answers as its dequantized weights do in HF float32 within a measured
-tolerance, serves an adapter trained on the float model (named as the float model, as real
-adapters for ``X-AWQ`` uploads are) as HF + PEFT does, and refuses by name an adapter whose
-shapes do not fit its layers.
+"""A quantized base on the CPU (issue 59): an AWQ, GPTQ or compressed-tensors W4A16 checkpoint
+starts (bfloat16 chosen, as vLLM's CPU kernels for them need), answers as its dequantized weights
+do in HF float32 within a measured tolerance, serves an adapter trained on the float model (named
+as the float model, as real adapters for ``X-AWQ`` uploads are) as HF + PEFT does, and refuses by
+name an adapter whose shapes do not fit its layers.
 
-The checkpoint is written at test time in its format's documented layout (tests/quantized_factory.py);
-the adapters are made by ``peft`` itself on the float twin.
+The checkpoints are written at test time in their formats' documented layouts, compressed-tensors'
+by its own library (tests/quantized_factory.py); the adapters are made by ``peft`` itself on the
+float twin.
 
-Tolerance: vLLM's CPU AWQ and GPTQ paths (CPUWNA16, bfloat16 activations) against HF float32 on
+Tolerance: vLLM's CPU paths for the three (CPUWNA16, bfloat16 activations) against HF float32 on
 the same dequantized weights, the chosen tokens' logprobs: measured 0.0005 at most for each over
-4 prompts x 16 tokens (2026-12-02, 2-core x86 development machine); the test allows ``TOLERANCE``, and checks that the
-adapter moves the same logprobs by many times that, so the comparison can tell them apart.
+4 prompts x 16 tokens (2026-12-02, 2-core x86 development machine); the test allows
+``TOLERANCE``, and checks that the adapter moves the same logprobs by many times that, so the
+comparison can tell them apart.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ TOLERANCE = 0.005
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-FOLDERS = {"awq": "tiny-llama-AWQ", "gptq": "tiny-llama-GPTQ-Int4"}   # named as such uploads are
-ENGINE_NAMES = {"awq": "awq", "gptq": "auto_gptq"}                    # vLLM's method, as status shows it
+FOLDERS = {"awq": "tiny-llama-AWQ", "gptq": "tiny-llama-GPTQ-Int4",   # named as such uploads are
+           "compressed-tensors": "tiny-llama-quantized.w4a16"}
+ENGINE_NAMES = {"awq": "awq", "gptq": "auto_gptq", "compressed-tensors": "compressed-tensors"}   # as status shows it
 
 
 @pytest.fixture(scope="module", params=sorted(FOLDERS))
@@ -227,3 +230,19 @@ def test_ollama_names_a_quantized_base_by_its_format():
 
     assert quantization_level(describe({"quant_method": "awq", "bits": 4, "group_size": 128})) == "AWQ_4BIT"
     assert quantization_level(describe({"quant_method": "fp8"})) == "FP8"
+
+
+def test_fp8_is_refused_on_the_cpu_before_the_engine_starts(tmp_path):
+    """Run here: with --quantization fp8 on the CPU the engine died in its start after ~60 s
+    (``_C::static_scaled_fp8_quant() expected at most 0 argument(s)``); an FP8 checkpoint or the
+    flag is now refused at once, in one line, with a way out."""
+    from loractld.models.defaults import for_model
+    from loractld.models.gguf import ModelRefused
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    for folder, flag in ((tmp_path, None), (tmp_path / "float", "fp8")):
+        folder.mkdir(exist_ok=True)
+        with pytest.raises(ModelRefused, match="fp8 quantization cannot run on the CPU") as refused:
+            for_model(str(folder), "auto", None, flag)
+        assert "AWQ, GPTQ or compressed-tensors" in refused.value.hint
+    assert for_model(str(tmp_path / "float"), "auto", None, "awq").dtype == "bfloat16"

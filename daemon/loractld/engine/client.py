@@ -223,7 +223,7 @@ class Engine:
             # vLLM needs both on the CPU; derived from the model and the machine (cpu_defaults).
             from loractld.models import defaults as cpu_defaults
 
-            chosen = cpu_defaults.for_model(settings.model, dtype, kv_bytes)
+            chosen = cpu_defaults.for_model(settings.model, dtype, kv_bytes, settings.engine_args.get("quantization"))
             dtype, kv_bytes = chosen.dtype, chosen.kv_cache_bytes
             choices += _cpu_moe_targets(settings)
             settings = dataclasses.replace(settings, max_loras=settings.max_loras or CPU_MAX_LORAS,

@@ -7,8 +7,9 @@ fixed float32 doubles an 8B model's 16 GB), so both come from the model's config
 
 - dtype: float32 (exact against float32 references, and no AMX-bf16 path to trip over) unless
   the float32 weights would take more than half of the memory available now, or the base is
-  quantized (vLLM's CPU kernels for AWQ and GPTQ take float16 or bfloat16 activations only:
-  float32 is refused at start); then bfloat16.
+  quantized, by its checkpoint or by ``--quantization`` (vLLM's CPU kernels for AWQ, GPTQ,
+  compressed-tensors and FP8 take float16 or bfloat16 activations only: float32 is refused at
+  start); then bfloat16.
 - KV cache: enough for one sequence of the model's full context, capped at 4 GiB and at an
   eighth of the memory available, and never below 256 MiB. vLLM then fits the context to it
   (``--max-model-len`` auto) and ``status`` shows the value in force.
@@ -77,10 +78,11 @@ def context_length(config: dict) -> int | None:
 
 
 def choose(config: dict | None, parameters: int | None, available: int, dtype: str = "auto",
-           kv_cache_bytes: int | None = None) -> CpuDefaults:
-    """The CPU engine's dtype and KV-cache size; explicit values (not 'auto'/None) are kept."""
+           kv_cache_bytes: int | None = None, quantization_flag: str | None = None) -> CpuDefaults:
+    """The CPU engine's dtype and KV-cache size; explicit values (not 'auto'/None) are kept.
+    ``quantization_flag``: vLLM's ``--quantization``, which quantizes a float base at load."""
     reasons = []
-    quantization = quantized.describe(quantized.quantization_config(config or {}))
+    quantization = quantized.describe(quantized.quantization_config(config or {})) or (quantization_flag or "")
     if dtype == "auto":
         dtype = "float32"
         if quantization:
@@ -106,7 +108,7 @@ def choose(config: dict | None, parameters: int | None, available: int, dtype: s
     return CpuDefaults(dtype=dtype, kv_cache_bytes=kv_cache_bytes, reason="; ".join(reasons))
 
 
-def for_model(model: str, dtype: str, kv_cache_bytes: int | None) -> CpuDefaults:
+def for_model(model: str, dtype: str, kv_cache_bytes: int | None, quantization_flag: str | None = None) -> CpuDefaults:
     """``choose`` for a local model folder (a Hub id not on disk gets the fallbacks)."""
     folder = Path(model)
     config = None
@@ -123,7 +125,14 @@ def for_model(model: str, dtype: str, kv_cache_bytes: int | None) -> CpuDefaults
             parameters = sum(_product(s) for s in shapes.values()) or None
         except Exception:  # unreadable weights are vLLM's to report
             parameters = None
-    result = choose(config, parameters, available_memory(), dtype, kv_cache_bytes)
+    method = quantized.method(quantized.quantization_config(config or {})) or (quantization_flag or "")
+    refusal = quantized.cpu_refusal(method)
+    if refusal:
+        from loractld.models.gguf import ModelRefused
+
+        raise ModelRefused(f"{method} quantization cannot run on the CPU: {refusal}",
+                           "Serve an AWQ, GPTQ or compressed-tensors W4A16 base on the CPU, or this one on a GPU.")
+    result = choose(config, parameters, available_memory(), dtype, kv_cache_bytes, quantization_flag)
     if result.reason:
         _log.info("CPU defaults: %s", result.reason)
     return result

@@ -53,11 +53,17 @@ def bits(qc: dict[str, Any]) -> int:
     for key in ("bits", "w_bit"):
         if isinstance(qc.get(key), int):
             return qc[key]
+    found = _first_group_weights(qc).get("num_bits")
+    return found if isinstance(found, int) else 4
+
+
+def _first_group_weights(qc: dict[str, Any]) -> dict[str, Any]:
+    """compressed-tensors' first config group's ``weights`` arguments ({} for other formats)."""
     for group in (qc.get("config_groups") or {}).values():
-        weights = (group or {}).get("weights") or {}
-        if isinstance(weights.get("num_bits"), int):
-            return weights["num_bits"]
-    return 4
+        weights = (group or {}).get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict):
+            return weights
+    return {}
 
 
 def describe(qc: dict[str, Any] | None) -> str:
@@ -68,7 +74,7 @@ def describe(qc: dict[str, Any] | None) -> str:
     parts = [name]
     if name in _PACKED:
         parts.append(f"{bits(qc)}-bit")
-    group = qc.get("group_size") if qc else None
+    group = qc.get("group_size", _first_group_weights(qc).get("group_size")) if qc else None
     if isinstance(group, int) and group > 0:
         parts.append(f"groups of {group}")
     return ", ".join(parts)
@@ -138,3 +144,16 @@ def parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
             total += count
     return total
 
+
+
+# Formats whose kernels vLLM's CPU wheel lacks, as run here: the engine dies in its start with an
+# error naming an op, so they are refused before it, in one line.
+_NOT_ON_CPU = {
+    "fp8": "vLLM 0.32's CPU wheel has no FP8 kernels (its _C::static_scaled_fp8_quant is not built for the CPU)",
+}
+
+
+def cpu_refusal(name: str) -> str | None:
+    """Why a base quantized as ``name`` (a checkpoint's ``quant_method`` or ``--quantization``)
+    cannot run on the CPU, or None."""
+    return _NOT_ON_CPU.get((name or "").lower())
