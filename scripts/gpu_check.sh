@@ -17,6 +17,8 @@
 #   serve-vs-server    bench/serve_bench.py --device cuda --systems loractl,server, reduced
 #   serve-vs-asyncllm  bench/serve_bench.py --device cuda --systems loractl,asyncllm, reduced
 #   thrash             bench/thrash_bench.py --device cuda --systems measured,server, reduced (measured: the daemon's default admission)
+#   bases              bench/bases_check.py: a tiny AWQ and GPTQ base and a tiny MoE base, each with an
+#                      adapter, against HF + PEFT in float32 on this machine's CPU (issue 59)
 #   workstation        bench/workstation_check.py: the defaults chosen on this card against nvidia-smi,
 #                      a sleep and a wake at --sleep-level 1 and 2, --gpu-memory-utilization 0.5 passed through
 #
@@ -66,9 +68,9 @@ fi
 STEPS=${GPU_CHECK_STEPS:-all}
 for wanted_step in ${STEPS//,/ }; do
   case $wanted_step in
-    all | env | selfcheck-auto | selfcheck-cuda | demo | serve-vs-server | serve-vs-asyncllm | thrash | workstation) ;;
+    all | env | selfcheck-auto | selfcheck-cuda | demo | serve-vs-server | serve-vs-asyncllm | thrash | workstation | bases) ;;
     *) die "GPU_CHECK_STEPS names an unknown step: $wanted_step" \
-           "choose from env, selfcheck-auto, selfcheck-cuda, demo, serve-vs-server, serve-vs-asyncllm, thrash, workstation" ;;
+           "choose from env, selfcheck-auto, selfcheck-cuda, demo, serve-vs-server, serve-vs-asyncllm, thrash, workstation, bases" ;;
   esac
 done
 
@@ -451,6 +453,7 @@ bench_step serve-vs-asyncllm "$OUT/serve-gpu-vs-asyncllm.json" "$WORK/serve-asyn
 bench_step thrash "$OUT/thrash-gpu.json" "$WORK/thrash" bench/thrash_bench.py \
   --systems "$THRASH_SYSTEMS" --rounds 2 --streams 4,16 --requests 64 --tokens 32
 bench_step workstation "$OUT/workstation.json" "$WORK/workstation" bench/workstation_check.py
+bench_step bases "$OUT/bases.json" "$WORK/bases" bench/bases_check.py
 
 trap - INT TERM
 summary

@@ -186,3 +186,56 @@ def build(folder: Path, reference: Path, tokenizer_source: Path, seed: int = 0, 
     generation = reference / "generation_config.json"
     if generation.exists():
         (folder / "generation_config.json").write_text(generation.read_text())
+
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_adapter(reference: Path, out: Path, seed: int = 1) -> None:
+    """A LoRA adapter made by ``peft`` on the float twin (all seven projections, rank 8, strong
+    enough to move the greedy tokens); its ``base_model_name_or_path`` names the float model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    torch.manual_seed(seed)
+    get_peft_model(fresh, LoraConfig(r=8, lora_alpha=64, init_lora_weights=False, target_modules=TARGETS)
+                   ).save_pretrained(out)
+
+
+async def served(client, prompts: list[str], tokens: int, lora: str | None = None):
+    """(prompt ids, greedy ids, their logprobs) for each prompt, from a daemon's ``Client``."""
+    out = []
+    for prompt in prompts:
+        ids, logprobs, prompt_ids = [], [], []
+        async for chunk in client.generate(prompt=prompt, lora=lora, max_tokens=tokens, min_tokens=tokens,
+                                           temperature=0.0, logprobs=0):
+            prompt_ids += chunk.prompt_token_ids
+            ids += chunk.token_ids
+            logprobs += [t.logprob for t in chunk.logprobs]
+        out.append((prompt_ids, ids, logprobs))
+    return out
+
+
+def hf_logprobs(reference: Path, adapter: Path | None, runs) -> list[list[float]]:
+    """HF (+ PEFT) in float32 on the dequantized weights: each served token's logprob."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    found = []
+    with torch.no_grad():
+        for prompt_ids, ids, _ in runs:
+            logits = model(torch.tensor([prompt_ids + ids])).logits[0]
+            table = torch.log_softmax(logits.float(), dim=-1)
+            found.append([table[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(ids)])
+    return found
+
+
+def gap(a, b) -> float:
+    """The largest difference between two tables of logprobs of the same tokens."""
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))

@@ -135,7 +135,7 @@ def test_the_steps_left_out_are_skipped_and_named(tmp_path):
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "PASS  env" in summary and "1 passed, 0 failed" in summary
     assert ("skipped (GPU_CHECK_STEPS=env): selfcheck-auto selfcheck-cuda demo serve-vs-server "
-            "serve-vs-asyncllm thrash workstation") in summary
+            "serve-vs-asyncllm thrash workstation bases") in summary
     assert not list((tmp_path / "out").glob("selfcheck-*.log"))
 
 

@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 
+import moe_factory
 from conftest import collect, run_cli, start_daemon, sub_home
 
 PROMPT = "hello world"
@@ -21,45 +22,15 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def moe(home, demo):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
     root = sub_home(home, "moe")
-    tokenizer = AutoTokenizer.from_pretrained(demo / "model")
-    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                            num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            tie_word_embeddings=False, norm_topk_prob=True)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
-    for p in model.parameters():   # weights large enough that an adapter changes the greedy tokens
-        torch.nn.init.normal_(p, std=0.05)
-    model.save_pretrained(root / "moe-model")
-    tokenizer.save_pretrained(root / "moe-model")
-    for name, kwargs in (("attn", {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}),
-                         ("experts", {"target_modules": [],
-                                      "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]})):
-        fresh = Qwen3MoeForCausalLM.from_pretrained(root / "moe-model", dtype=torch.float32)
-        get_peft_model(fresh, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **kwargs)).save_pretrained(
-            root / f"a-{name}")
-    d = start_daemon(root, name="moe", model=str(root / "moe-model"))
+    folder = moe_factory.build(root, demo / "model")
+    d = start_daemon(root, name="moe", model=str(folder))
     yield root, d
     d.stop()
 
 
 def hf_greedy(folder, adapter=None) -> list[int]:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt").input_ids
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    out = model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    return moe_factory.hf_greedy(folder, PROMPT, TOKENS, adapter)
 
 
 def served(d, lora=None) -> list[int]:

@@ -22,12 +22,12 @@ import json
 
 import pytest
 
-from conftest import collect, run_cli, start_daemon, sub_home
+from conftest import run_cli, start_daemon, sub_home
+from quantized_factory import gap, hf_logprobs
 
 PROMPTS = ["hello world", "The quick brown fox", "def main():", "1, 2, 3,"]
 TOKENS = 16
 TOLERANCE = 0.005
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 FOLDERS = {"awq": "tiny-llama-AWQ", "gptq": "tiny-llama-GPTQ-Int4",   # named as such uploads are
@@ -37,62 +37,25 @@ ENGINE_NAMES = {"awq": "awq", "gptq": "auto_gptq", "compressed-tensors": "compre
 
 @pytest.fixture(scope="module", params=sorted(FOLDERS))
 def quantized_base(request, home, demo):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     import quantized_factory
 
     fmt = request.param
     root = sub_home(home, fmt)
     folder, reference = root / "quantized" / FOLDERS[fmt], root / "float" / "tiny-llama"
     quantized_factory.build(folder, reference, demo / "model", fmt=fmt)
-    fresh = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
-    torch.manual_seed(1)
-    get_peft_model(fresh, LoraConfig(r=8, lora_alpha=64, init_lora_weights=False, target_modules=TARGETS)
-                   ).save_pretrained(root / "a-float")
+    quantized_factory.build_adapter(reference, root / "a-float")
     d = start_daemon(root, name=fmt, model=str(folder))
     yield root, fmt, reference, d
     d.stop()
 
 
 def served(d, lora=None) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt ids, greedy ids, their logprobs) for each prompt, from the daemon."""
+    from quantized_factory import served as from_daemon
+
     async def go():
-        out = []
         async with d.client() as client:
-            for prompt in PROMPTS:
-                ids, logprobs, prompt_ids = [], [], []
-                async for chunk in client.generate(prompt=prompt, lora=lora, max_tokens=TOKENS, min_tokens=TOKENS,
-                                                   temperature=0.0, logprobs=0):
-                    prompt_ids += chunk.prompt_token_ids
-                    ids += chunk.token_ids
-                    logprobs += [t.logprob for t in chunk.logprobs]
-                out.append((prompt_ids, ids, logprobs))
-        return out
+            return await from_daemon(client, PROMPTS, TOKENS, lora)
     return asyncio.run(go())
-
-
-def hf_logprobs(reference, adapter, runs) -> list[list[float]]:
-    """HF (+ PEFT) in float32 on the dequantized weights: each served token's logprob."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    found = []
-    with torch.no_grad():
-        for prompt_ids, ids, _ in runs:
-            logits = model(torch.tensor([prompt_ids + ids])).logits[0]
-            table = torch.log_softmax(logits.float(), dim=-1)
-            found.append([table[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(ids)])
-    return found
-
-
-def gap(a, b) -> float:
-    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
 
 
 def test_the_factory_writes_awq_layout():
