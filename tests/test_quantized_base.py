@@ -22,7 +22,7 @@ import json
 
 import pytest
 
-from conftest import run_cli, start_daemon, sub_home
+from conftest import adapter_folder, run_cli, start_daemon, sub_home
 from quantized_factory import gap, hf_logprobs
 
 PROMPTS = ["hello world", "The quick brown fox", "def main():", "1, 2, 3,"]
@@ -107,8 +107,6 @@ def test_an_adapter_that_does_not_fit_the_quantized_layers_is_refused_by_name(qu
     """The demo's adapters are for a 256-wide model; this base is 128 wide. Forced past the
     name check, the shapes refuse it, naming the layer, before the engine sees it."""
     root, fmt, reference, d = quantized_base
-    from conftest import adapter_folder
-
     wrong = adapter_folder(demo, "sql-expert")
     plain = run_cli("pull", str(wrong), "--name", f"{fmt}/wrong", "--socket", str(d.socket))
     assert plain.returncode != 0 and "trained for" in plain.stderr, plain.stderr

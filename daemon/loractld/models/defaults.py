@@ -121,8 +121,7 @@ def for_model(model: str, dtype: str, kv_cache_bytes: int | None, quantization_f
         from loractld.models.weights import base_model_shapes
 
         try:
-            shapes = base_model_shapes(folder, float_layers=False)
-            parameters = sum(_product(s) for s in shapes.values()) or None
+            parameters = quantized.parameter_count(base_model_shapes(folder)) or None
         except Exception:  # unreadable weights are vLLM's to report
             parameters = None
     method = quantized.method(quantized.quantization_config(config or {})) or (quantization_flag or "")
@@ -137,9 +136,3 @@ def for_model(model: str, dtype: str, kv_cache_bytes: int | None, quantization_f
         _log.info("CPU defaults: %s", result.reason)
     return result
 
-
-def _product(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

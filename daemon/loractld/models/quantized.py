@@ -23,6 +23,7 @@ they cannot place, by name, as before).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -122,9 +123,9 @@ def float_name(name: str) -> str:
         if last[match.end():cut].lower() not in _QUANT_WORDS:
             break
         cut = match.start()
-    else:
-        cut = cut if last[:cut].lower() not in _QUANT_WORDS else len(last)
-    return f"{head}{slash}{last[:cut]}" if 0 < cut < len(last) else name
+    if cut == len(last) or last[:cut].lower() in _QUANT_WORDS:   # nothing to drop, or nothing but such words
+        return name
+    return f"{head}{slash}{last[:cut]}"
 
 
 # A quantized layer's tensors other than its float view: packed weights, zeros, scales, orders.
@@ -135,15 +136,7 @@ _AUXILIARY = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".we
 def parameter_count(shapes: dict[str, tuple[int, ...]]) -> int:
     """The model's parameters as its float model counts them: a packed layer by its float
     ``X.weight`` (``float_shapes``), not by its packed words, scales and zeros."""
-    total = 0
-    for name, shape in shapes.items():
-        if not name.endswith(_AUXILIARY):
-            count = 1
-            for dim in shape:
-                count *= dim
-            total += count
-    return total
-
+    return sum(math.prod(shape) for name, shape in shapes.items() if not name.endswith(_AUXILIARY))
 
 
 # Formats whose kernels vLLM's CPU wheel lacks, as run here: the engine dies in its start with an

@@ -85,15 +85,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def base_model_shapes(model_dir: Path, *, float_layers: bool = True) -> dict[str, tuple[int, ...]]:
-    """Weight shapes of a local base model, from its safetensors headers (no data read); with
-    ``float_layers``, a quantized checkpoint's packed layers also as the float ``X.weight``
-    adapters fit (``models.quantized``); without, only the tensors the files hold."""
+def base_model_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Weight shapes of a local base model, from its safetensors headers (no data read); a
+    quantized checkpoint's packed layers also as the float ``X.weight`` adapters fit
+    (``models.quantized``)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(model_dir.glob("*.safetensors")):
         shapes.update({name: info.shape for name, info in read_safetensors_header(file).items()})
-    if not float_layers:
-        return shapes
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
