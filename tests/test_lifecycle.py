@@ -27,21 +27,44 @@ def unfixed_daemon(home):
 
 def test_mixed_batch_is_wrong_without_the_cpu_fix(unfixed_daemon, demo, reference):
     """Shows the mixed-batch test can fail: without the fix, vLLM 0.32 on CPU serves the base
-    request of a mixed batch with the last slot's adapter, so it leaves the reference."""
+    request of a mixed batch with the last slot's adapter, so it leaves the reference.
+
+    The two adapter streams are running (each has sent its first token) before the base request
+    is sent, so every step of the base request is a mixed one; sent all at once, a loaded CI
+    machine could finish the base request before the adapters were loaded."""
     n = 32
     prompt = "How do I reverse a list in Python?"
-    names = [None, "sql-expert/v1", "python-expert/v1"]
+    messages = [{"role": "user", "content": prompt}]
 
     async def go():
         async with unfixed_daemon.client() as client:
-            return await asyncio.gather(*[
-                collect(client, messages=[{"role": "user", "content": prompt}],
-                        lora=str(demo / "adapters" / name) if name else None,
-                        max_tokens=n, min_tokens=n, temperature=0.0)
-                for name in names
-            ])
+            started = [asyncio.Event(), asyncio.Event()]
+            done = asyncio.Event()
 
-    base, *_ = asyncio.run(go())
+            async def adapter_stream(name: str, started: asyncio.Event):
+                async for _ in client.generate(messages=messages, lora=str(demo / "adapters" / name),
+                                               max_tokens=200, min_tokens=200, temperature=0.0):
+                    started.set()
+                    if done.is_set():
+                        return   # leaving the stream cancels it
+
+            streams = [asyncio.create_task(adapter_stream(name, event))
+                       for name, event in zip(["sql-expert/v1", "python-expert/v1"], started)]
+            deadline = time.monotonic() + 300
+            while not all(e.is_set() for e in started):
+                for stream in streams:
+                    if stream.done():
+                        stream.result()   # a stream that failed says why
+                assert time.monotonic() < deadline, "the adapter streams did not start"
+                await asyncio.sleep(0.05)
+            base = await collect(client, messages=messages, max_tokens=n, min_tokens=n, temperature=0.0)
+            assert all(not s.done() for s in streams), "an adapter stream ended before the base request"
+            done.set()
+            await asyncio.gather(*streams)
+            return base
+
+    base = asyncio.run(go())
+    assert len(base["ids"]) == n
     assert base["ids"] != reference.greedy(reference.chat_ids(prompt), None, n, n)
 
 
