@@ -41,18 +41,22 @@ def summary(values: list[float]) -> dict:
 
 def prepare(model: str, adapters: int, rank: int, workdir: Path) -> tuple[str, list[Path]]:
     """The model folder and ``adapters`` PEFT adapters of ``rank`` fitting it."""
-    from loractld.models.tiny import DemoAdapter, build_adapter, ensure_demo
+    from loractld.models.moe import folder_expert_count
+    from loractld.models.tiny import LLAMA_PROJECTIONS, DemoAdapter, build_adapter, ensure_demo
 
     if model == "tiny":
         model_dir = ensure_demo(workdir / "tiny") / "model"
     else:
         model_dir = Path(model)
+    # on a mixture-of-experts base the attention projections (its MLPs are experts: models.moe)
+    projections = LLAMA_PROJECTIONS[:4] if folder_expert_count(model_dir) else LLAMA_PROJECTIONS
     paths = []
     for i in range(adapters):
         dest = workdir / "adapters" / f"bench-{i}"
         if not (dest / "adapter_model.safetensors").exists():
             build_adapter(model_dir, DemoAdapter(f"bench/{i}", rank=rank, alpha=rank), dest,
-                          base_model="loractl/demo-tiny-llama" if model == "tiny" else str(model_dir))
+                          base_model="loractl/demo-tiny-llama" if model == "tiny" else str(model_dir),
+                          projections=projections)
         paths.append(dest)
     return str(model_dir), paths
 

@@ -12,8 +12,9 @@ adapters made by ``peft``. ``--model`` is not used (the bases are these). Checks
 - each quantized base, and an adapter trained on its float twin: the chosen tokens' logprobs
   against HF + PEFT on the twin in float32 (the gap is written; it passes under ``--tolerance``);
 - the MoE base and its attention adapter: the same comparison (on the model itself);
-- the MoE expert adapter: loractl refuses it by name (``trains the experts``) on every device
-  for now; the check records what the device answered, so a lease shows whether that holds.
+- the MoE expert adapters (``models.moe``): on the CPU both forms are refused by name; on a GPU
+  the per-expert one (the form vLLM takes for Qwen3-MoE) is compared with the base merged with
+  it by hand in float32, and PEFT's fused form is refused by name.
 """
 
 from __future__ import annotations
@@ -101,8 +102,17 @@ def check_moe(args, work: Path, tokenizer: Path) -> dict:
         refused = asyncio.run(_pull(daemon.socket, root / "a-attn", "moe/attn"))
         out["attention_adapter"] = {"pass": False, "refused": refused} if refused else compare(
             daemon.socket, folder, "moe/attn", root / "a-attn", args.tolerance)
-        refused = asyncio.run(_pull(daemon.socket, root / "a-experts", "moe/experts"))
-        out["expert_adapter"] = {"refused": refused, "pass": "trains the experts" in refused}
+        per_expert = moe_factory.per_expert_adapter(root, "a-per-expert")
+        refused = asyncio.run(_pull(daemon.socket, per_expert, "moe/per-expert"))
+        if args.device == "cpu":
+            out["per_expert_adapter"] = {"refused": refused, "pass": "no CPU kernel runs expert LoRA" in refused}
+        else:
+            reference = moe_factory.merged(folder, per_expert, root / "moe-merged")
+            out["per_expert_adapter"] = {"pass": False, "refused": refused} if refused else compare(
+                daemon.socket, reference, "moe/per-expert", None, args.tolerance)
+        refused = asyncio.run(_pull(daemon.socket, root / "a-experts", "moe/fused"))
+        expected = "no CPU kernel runs expert LoRA" if args.device == "cpu" else "as per-expert modules"
+        out["fused_expert_adapter"] = {"refused": refused, "pass": expected in refused}
         return out
     finally:
         daemon.stop()

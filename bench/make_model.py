@@ -38,6 +38,9 @@ def main() -> None:
                    help="write the model as a 4-bit AWQ or GPTQ checkpoint (tests/quantized_factory.py, the "
                         "format's documented layout), its dequantized float32 twin in --float-out")
     p.add_argument("--float-out", type=Path, default=None, help="with --quantize: where the float twin goes")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a Qwen3-MoE of the shape instead (issue 59): this many experts a layer, 2 a token, each "
+                        "a quarter of the shape's MLP wide (Qwen3-30B-A3B's proportions, fewer experts)")
     args = p.parse_args()
     if args.quantize:
         quantize(args)
@@ -51,11 +54,21 @@ def main() -> None:
     tok_dir = Path(tempfile.mkdtemp())
     build_tokenizer(tok_dir)
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    config = LlamaConfig(**SHAPES[args.shape], tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype=args.dtype)
+    tokens = dict(tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, torch_dtype=args.dtype)
+    if args.experts:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        shape = SHAPES[args.shape]
+        config = Qwen3MoeConfig(**shape, **tokens, num_experts=args.experts, num_experts_per_tok=2,
+                                moe_intermediate_size=shape["intermediate_size"] // 4,
+                                head_dim=shape["hidden_size"] // shape["num_attention_heads"], norm_topk_prob=True)
+        architecture = Qwen3MoeForCausalLM
+    else:
+        config, architecture = LlamaConfig(**SHAPES[args.shape], **tokens), LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+        model = architecture(config).to(getattr(torch, args.dtype))
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)

@@ -161,6 +161,9 @@ def test_a_gguf_file_in_a_hub_repo_is_downloaded_converted_and_served(tmp_path, 
         log = d.log.read_text()
         assert "downloading q4/smollm2.gguf from the Hub repo acme/smol-gguf" in log
         assert "converted from smollm2.gguf earlier" in log
+        # what keeping it quantized would save, said at each start (issue 59): its float weights and the file's bytes
+        cost = re.search(r"served unquantized: ([\d.]+) GB of weights on the device, against ([\d.]+) GB in the GGUF", log)
+        assert cost and float(cost[1]) > float(cost[2]) > 0, log[-2000:]
         ref = Reference(real_demo["model"])
 
         async def go():

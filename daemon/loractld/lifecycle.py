@@ -151,9 +151,23 @@ def check_model_folder(model: str) -> None:
                            "Pass the folder that holds the model's config.json and weights (a Hugging Face folder).")
 
 
+def _expert_device(requested: str, model: str) -> str:
+    """Where the engine will run, asked only for a mixture-of-experts base (whose expert
+    adapters a GPU serves and the CPU does not): vLLM's platform detection is an import the
+    dense bases' start-up does not need before the engine's."""
+    from loractld.models.moe import folder_expert_count
+
+    if requested != "auto" or not folder_expert_count(model):
+        return requested if requested == "cuda" else "cpu"
+    from loractld.engine.device import resolve_device
+
+    return resolve_device(requested)
+
+
 def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catalog:
     """The disk side: the store (recovered from any interrupted pull), validation, pulls."""
-    base = describe(settings.engine.model, model, served_name=settings.served_model_name)
+    base = describe(settings.engine.model, model, served_name=settings.served_model_name,
+                    device=_expert_device(settings.engine.device, model))
     store = Store(store_dir, snapshot_budget=settings.snapshot_budget)
     for leftover in store.recover():
         _log.info("removed a leftover of an interrupted pull: %s", leftover)
@@ -171,18 +185,19 @@ def open_catalog(settings: DaemonSettings, store_dir: Path, model: str) -> Catal
     def validate(folder: Path, force: bool):
         return validate_adapter(folder, max_lora_rank=limit.rank, base_shapes=base.shapes,
                                 model_names=base.names, force=force, max_weights_bytes=settings.max_adapter_bytes,
-                                base_experts=base.experts)
+                                experts=base.moe)
 
     fingerprints: dict[tuple, str] = {}
 
     def fingerprint() -> str:
         """What ``validate`` checks against now (the shapes can come after the engine's download:
         ``refresh_shapes``), for the facts kept across starts (``store.known``)."""
-        now = (id(base.shapes), len(base.names), base.experts)
+        now = (id(base.shapes), len(base.names), base.moe)
         if now not in fingerprints:
             fingerprints.clear()
             fingerprints[now] = validation_fingerprint(VALIDATION_VERSION, __version__, limit.rank, base.shapes or {},
-                                                       base.names, base.experts, settings.max_adapter_bytes)
+                                                       base.names, base.experts, settings.max_adapter_bytes,
+                                                       *((base.moe.form,) if base.moe else ()))
         return fingerprints[now]
 
     preflight = Preflight()

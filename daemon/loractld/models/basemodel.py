@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loractld.models import quantized
-from loractld.models.moe import expert_count
+from loractld.models.moe import ExpertBase, expert_base
 from loractld.models.weights import base_model_shapes
 
 _log = logging.getLogger("loractld.basemodel")
@@ -27,6 +27,8 @@ class BaseModel:
     names: set[str] = field(default_factory=set)
     shapes: dict[str, tuple[int, ...]] | None = None
     experts: int = 0                             # routed experts per layer (models.moe); 0: a dense model
+    moe: ExpertBase | None = None                # its experts as expert adapters are checked (models.moe)
+    device: str = "cpu"                          # where the engine runs: cpu or cuda
     quantization: str = ""                       # as its config declares it (models.quantized); "": float
 
     def parameters(self) -> int:
@@ -34,10 +36,12 @@ class BaseModel:
         return quantized.parameter_count(self.shapes or {})
 
 
-def describe(model_arg: str, resolved: str, served_name: str | None = None) -> BaseModel:
+def describe(model_arg: str, resolved: str, served_name: str | None = None, device: str = "cpu") -> BaseModel:
+    """What the daemon knows of ``resolved`` (``device``: where the engine runs, ``cpu`` or
+    ``cuda``, which decides the expert adapters a mixture-of-experts base takes)."""
     from loractld.models.tiny import DEMO_MODEL_ID
 
-    info = BaseModel(model=resolved, names={model_arg, resolved} | ({served_name} if served_name else set()))
+    info = BaseModel(model=resolved, device=device, names={model_arg, resolved} | ({served_name} if served_name else set()))
     if model_arg == "tiny":
         info.names.add(DEMO_MODEL_ID)
     folder = Path(resolved)
@@ -51,7 +55,8 @@ def describe(model_arg: str, resolved: str, served_name: str | None = None) -> B
                 name = parsed.get("_name_or_path")
                 if name:
                     info.names.add(str(name))
-                info.experts = expert_count(parsed)
+                info.moe = expert_base(parsed, device)
+                info.experts = info.moe.experts if info.moe else 0
                 info.quantization = quantized.describe(quantized.quantization_config(parsed))
             except ValueError:
                 pass
@@ -75,11 +80,11 @@ def refresh_shapes(info: BaseModel) -> None:
     """
     if info.shapes is not None:
         return
-    refreshed = describe(info.model, info.model)
+    refreshed = describe(info.model, info.model, device=info.device)
     if refreshed.shapes:
         info.shapes = refreshed.shapes
         info.names |= refreshed.names
-        info.experts = refreshed.experts
+        info.experts, info.moe = refreshed.experts, refreshed.moe
         _log.info("base model shapes read after the engine's download: %d weights", len(info.shapes))
 
 

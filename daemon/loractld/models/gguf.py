@@ -170,6 +170,16 @@ def download_hub_gguf(repo: str, filename: str) -> Path:
                            "Check the network, HF_ENDPOINT and HF_TOKEN.") from e
 
 
+def _memory_cost(path: Path, served_bytes: int) -> str:
+    """The one line on what keeping a GGUF quantized would save, said at every start that uses it."""
+    return (f"served unquantized: {served_bytes / 1e9:.2f} GB of weights on the device, against "
+            f"{path.stat().st_size / 1e9:.2f} GB in the GGUF file (vLLM 0.32 has no GGUF method that keeps it quantized)")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
 def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None = None, report=None) -> Path:
     """The Hugging Face folder for GGUF file ``path``, converting it on first use; ``report``
     (``loractld.startup``'s update) hears the stage and the tensors converted so far."""
@@ -183,7 +193,7 @@ def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None =
     digest = sha256_of(path)
     target = models_dir / f"gguf-{digest[:24]}"
     if _complete(target):
-        _log.info("using %s, converted from %s earlier", target, path.name)
+        _log.info("using %s, converted from %s earlier; %s", target, path.name, _memory_cost(path, _folder_bytes(target)))
         return target
     info = inspect(path)
     check_convertible(info)
@@ -199,8 +209,9 @@ def ensure_converted(path: Path, models_dir: Path, *, name_or_path: str | None =
     if target.exists():  # converted by an older loractld: convert again
         shutil.rmtree(target)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=models_dir))
-    _log.info("converting %s (%s, %.0fM parameters, %s) to a %s Hugging Face folder: a one-time step",
-              path.name, info.architecture, info.parameters / 1e6, "/".join(sorted(info.tensor_types)), info.dtype)
+    _log.info("converting %s (%s, %.0fM parameters, %s) to a %s Hugging Face folder: a one-time step; %s",
+              path.name, info.architecture, info.parameters / 1e6, "/".join(sorted(info.tensor_types)), info.dtype,
+              _memory_cost(path, info.converted_bytes))
     cmd = [sys.executable, "-m", "loractld.models.gguf", str(path), str(tmp), "--dtype", info.dtype]
     if name_or_path:
         cmd += ["--name-or-path", name_or_path]

@@ -164,24 +164,25 @@ def build_model(out_dir: Path, seed: int = 0) -> None:
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
-def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path, base_model: str = DEMO_MODEL_ID) -> None:
-    """Write one PEFT LoRA adapter whose shapes fit the model in ``model_dir``."""
+def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path, base_model: str = DEMO_MODEL_ID,
+                  projections: tuple[str, ...] = LLAMA_PROJECTIONS) -> None:
+    """Write one PEFT LoRA adapter on ``projections`` whose shapes fit the model in ``model_dir``."""
     import torch
     from safetensors.torch import save_file
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    kv, q = config["num_key_value_heads"] * head_dim, config["num_attention_heads"] * head_dim
     shapes = {  # (in_features, out_features)
-        "q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-        "o_proj": (hidden, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+        "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+        "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
     generator = torch.Generator().manual_seed(_seed_of(spec.name))
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
-        for proj in LLAMA_PROJECTIONS:
+        for proj in projections:
             block = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{proj}"
             fan_in, fan_out = shapes[proj]
@@ -196,7 +197,7 @@ def build_adapter(model_dir: Path, spec: DemoAdapter, out_dir: Path, base_model:
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,
-        "target_modules": list(LLAMA_PROJECTIONS),
+        "target_modules": list(projections),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -80,6 +80,13 @@ class Targets:
             return re.fullmatch(names, key) is not None
         return any(key == n or key.endswith(f".{n}") for n in names or ())
 
+    def _owns_parameter(self, key: str) -> bool:
+        """PEFT saves a ``target_parameters`` LoRA under the module that owns the parameter, one
+        ``.base_layer`` deeper for each further parameter of the same module
+        (``mlp.experts.base_layer`` for gate_up_proj beside ``mlp.experts`` for down_proj)."""
+        owner = re.sub(r"(\.base_layer)+$", "", key)
+        return any(owner == o or owner.endswith(f".{o}") for o in (p.rpartition(".")[0] for p in self.parameters) if o)
+
     def applies_to(self, key: str) -> bool:
         if self.exclude and self._listed(key, self.exclude):
             return False
@@ -87,7 +94,7 @@ class Targets:
             found = key.rsplit(".", 1)[-1] not in _LINEAR_EXCLUDED
         else:
             found = bool(self.targets) and self._listed(key, self.targets)
-        found = found or any(f"{key}.weight".endswith(p) for p in self.parameters)
+        found = found or any(f"{key}.weight".endswith(p) for p in self.parameters) or self._owns_parameter(key)
         if not found or self.layers is None or self.layers == []:
             return found
         patterns = [rf".*\.{p}\.(\d+)\." for p in self.layers_pattern] or [r".*\.[^.]*\.(\d+)\."]

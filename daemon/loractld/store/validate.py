@@ -21,6 +21,7 @@ from loractl.errors import InvalidAdapter
 from loractld.store import normalize, semantics
 # The store's other modules and the tests take the file names from here.
 from loractld.store.peft import CONFIG_FILE, EMBEDDING_KEY, LORA_KEY, WEIGHTS_FILE, Ranks  # noqa: F401
+from loractld.models.moe import ExpertBase
 from loractld.models.quantized import float_name
 # The store's checks and the tests take these from here; they read any weights file, the base model's too.
 from loractld.models.weights import (MAX_HEADER_BYTES, TensorInfo, base_model_shapes,  # noqa: F401
@@ -91,14 +92,14 @@ def validate_adapter(
     model_names: set[str] | None = None,
     force: bool = False,
     max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
-    base_experts: int = 0,
+    experts: ExpertBase | None = None,
 ) -> AdapterFacts:
     """Check an adapter folder; return its facts or raise :class:`InvalidAdapter`.
 
     ``base_shapes`` (weight name -> shape) enables the module and shape checks;
-    ``model_names`` enables the base-model check, which ``force`` skips; ``base_experts`` (the
-    base's routed experts per layer, 0 for a dense model) refuses adapters that train them
-    (``models.moe``).
+    ``model_names`` enables the base-model check, which ``force`` skips; ``experts`` (a
+    mixture-of-experts base, None for a dense one) checks the adapter's expert modules
+    against it and the device (``models.moe.check_expert_adapter``).
     """
     config = read_config(folder)
     peft_type = str(config.get("peft_type", "")).upper()
@@ -130,9 +131,10 @@ def validate_adapter(
         )
     tensors = read_safetensors_header(weights)
     _refuse_unnormalized_keys(list(tensors))
-    if base_experts:
-        _refuse_expert_targets(tensors, config, base_experts)
-    modules = _check_tensors(tensors, ranks, base_shapes)
+    fused_experts: set[str] = set()
+    if experts is not None:
+        fused_experts = _check_experts(tensors, config, experts, ranks, base_shapes)
+    modules = _check_tensors(tensors, ranks, base_shapes, checked=fused_experts)
     semantics.Targets.of(config).check(tensors, base_shapes)
     semantics.check_scalings(config, ranks)
     semantics.check_values(weights)
@@ -141,18 +143,20 @@ def validate_adapter(
                         target_modules=sorted(modules), base_model=base)
 
 
-def _refuse_expert_targets(tensors: dict[str, TensorInfo], config: dict, experts: int) -> None:
-    from loractld.models.moe import expert_targets
+def _check_experts(tensors: dict[str, TensorInfo], config: dict, experts: ExpertBase, ranks: Ranks,
+                   base_shapes: dict | None) -> set[str]:
+    """The adapter's expert modules against the base (``models.moe``); returns the fused ones,
+    whose shapes that check covers (they have no weight of their name in the base)."""
+    from loractld.models.moe import FUSED, check_expert_adapter
 
-    modules = {m["module"] for m in (LORA_KEY.match(name) for name in tensors) if m}
-    trained = expert_targets(modules, config)
-    if trained:
-        raise InvalidAdapter(
-            f"the adapter trains the experts of this mixture-of-experts base ({experts} experts a layer; "
-            f"{trained[0]}{f' and {len(trained) - 1} more' if len(trained) > 1 else ''}): loractl serves adapters "
-            "on its attention and dense layers only (no CPU kernel runs expert LoRA, and on a GPU loractl "
-            "does not check expert shapes yet)",
-            "Use an adapter trained on the attention projections (PEFT target_modules q_proj, k_proj, v_proj, o_proj).")
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, info in tensors.items():
+        match = LORA_KEY.match(name)
+        if match and len(info.shape) == 2:
+            pairs.setdefault(match["module"], {})[match["ab"]] = info.shape
+    checked = check_expert_adapter({m: ab for m, ab in pairs.items() if set(ab) == {"A", "B"}}, config, experts,
+                                   ranks.of_module, base_shapes)
+    return checked if experts.form == FUSED else set()
 
 
 def _refuse_unnormalized_keys(keys: list[str]) -> None:
@@ -204,7 +208,11 @@ _NOT_LORA = (
 _BASE_EMBEDDING = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+\.)?(?P<name>embed_tokens|lm_head)\.base_layer\.weight$")
 
 
-def _check_tensors(tensors: dict[str, TensorInfo], ranks: Ranks, base_shapes: dict | None) -> set[str]:
+def _check_tensors(tensors: dict[str, TensorInfo], ranks: Ranks, base_shapes: dict | None,
+                   checked: set[str] = frozenset()) -> set[str]:
+    """Every LoRA pair's ranks, and its shape against the base's weight of the same name (but
+    for ``checked``: fused expert modules, whose shapes ``models.moe`` checked); returns the
+    modules' short names."""
     if not tensors:
         raise InvalidAdapter(f"{WEIGHTS_FILE} holds no tensors", "Pull the complete adapter.")
     pairs: dict[str, dict[str, tuple[int, ...]]] = {}
@@ -231,6 +239,9 @@ def _check_tensors(tensors: dict[str, TensorInfo], ranks: Ranks, base_shapes: di
         if set(ab) != {"A", "B"}:
             raise InvalidAdapter(f"module {module!r} has lora_{'A' if 'A' in ab else 'B'} but not its pair",
                                  "The adapter is incomplete: pull it again.")
+        if module in checked:   # rank x experts rows, checked by models.moe
+            short_names.add("experts")
+            continue
         (a_rank, a_in), (b_out, b_rank) = ab["A"], ab["B"]
         rank = ranks.of_module(module)
         if a_rank != rank or b_rank != rank:
