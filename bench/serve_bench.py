@@ -108,7 +108,8 @@ def httpx_module(openai):
 class ServerSystem:
     name = "server"
 
-    def __init__(self, port: int, model: str, names: list[str]) -> None:
+    def __init__(self, port: int, model: str, names: list[str], serves_adapters: bool = True) -> None:
+        self.serves_adapters = serves_adapters
         import openai
 
         # Pooled connections expire before uvicorn's 5 s keep-alive does: a request sent on one
@@ -271,9 +272,10 @@ async def interleaved_ttft(systems: list, args) -> dict:
     out = {}
     for workload in ("base", "one"):
         adapter = 0 if workload == "one" else None
-        samples: dict[str, list[float]] = {s.name: [] for s in systems}
+        serving = [s for s in systems if adapter is None or getattr(s, "serves_adapters", True)]
+        samples: dict[str, list[float]] = {s.name: [] for s in serving}
         for _ in range(max(1, args.interleaved // INTERLEAVE_BLOCK)):
-            for system in systems:
+            for system in serving:
                 await settle()
                 await system.request(adapter, 2)
                 for _ in range(INTERLEAVE_BLOCK):
@@ -296,10 +298,11 @@ def free_port() -> int:
 def start_server(model: str, names: list[str], paths: list[Path], args, log: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--enable-lora", "--max-loras", str(args.max_loras), "--max-cpu-loras",
-           str(args.max_cpu_loras), "--max-lora-rank", str(args.rank), "--max-model-len", str(args.max_model_len),
-           "--seed", "0", "--disable-uvicorn-access-log", "--lora-modules",
-           *(f"{n}={p}" for n, p in zip(names, paths))]
+           "--port", str(port), "--max-model-len", str(args.max_model_len), "--seed", "0",
+           "--disable-uvicorn-access-log"]
+    if not getattr(args, "server_without_lora", False):
+        cmd += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
+                "--max-lora-rank", str(args.rank), "--lora-modules", *(f"{n}={p}" for n, p in zip(names, paths))]
     cmd += ["--dtype", _setup.dtype(args)]
     if args.device == "cpu":
         cmd += ["--enforce-eager", "--kv-cache-memory-bytes",
@@ -340,6 +343,8 @@ def ratios(rounds: list[dict], system: str, baseline: str) -> dict:
     """Per cell and figure: loractl/baseline per round -> median and [min, max]."""
     out = {}
     for key in rounds[0][system]["cells"]:
+        if "skipped" in rounds[0][baseline]["cells"][key]:
+            continue
         figures = {}
         for figure in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "frontend_cpu_us_per_token"):
             values = [r[system]["cells"][key][figure] / r[baseline]["cells"][key][figure] for r in rounds
@@ -389,12 +394,15 @@ async def run_round(systems: list, args, work: Path, paths: list[Path], round_no
     order = systems[round_no % len(systems):] + systems[:round_no % len(systems)]
     for system in order:
         cells = {}
+        adapters = getattr(system, "serves_adapters", True)
         for workload in args.workloads:
             for streams in args.streams:
-                cells[f"{workload}@{streams}"] = await cell(system, workload, streams, args, seed=round_no)
+                cells[f"{workload}@{streams}"] = await cell(system, workload, streams, args, seed=round_no) \
+                    if adapters or workload == "base" else {"skipped": "started without LoRA (--server-without-lora)"}
                 print(f"round {round_no} {system.name:8s} {workload}@{streams}: {cells[f'{workload}@{streams}']}",
                       file=sys.stderr, flush=True)
-        out[system.name] = {"cells": cells, "activation": await activation(system, args, work, paths)}
+        out[system.name] = {"cells": cells, "activation": await activation(system, args, work, paths) if adapters
+                            else {}}
     out["interleaved_ttft_p50_ms"] = await interleaved_ttft(order, args)
     return out
 
@@ -410,6 +418,9 @@ def main() -> None:
                    help="also loractl-generate: the same daemon driven with a Generate stream per request; "
                         "loractl-http: the same daemon through its --http door, driven as the server is")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--server-without-lora", action="store_true",
+                   help="start vLLM's server without LoRA and drive it with the base workload only: on the CPU "
+                        "it dies at the first request on a mixture-of-experts base with LoRA on (issue 59)")
     p.add_argument("--interleaved", type=int, default=100,
                    help="requests per system in the one-stream interleaved TTFT comparison")
     p.add_argument("--requests", type=int, default=None, help="requests per cell (default: max(16, 4 x streams))")
@@ -455,7 +466,8 @@ def main() -> None:
                     systems.append(LoractlHttpSystem(http_port, model, names))
                     systems[-1].frontend_pid = daemon.proc.pid
             if server:
-                systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names]))
+                systems.append(ServerSystem(server[1], model, [n.replace("/", "-") for n in names],
+                                            serves_adapters=not args.server_without_lora))
                 systems[-1].frontend_pid = server[0].pid  # the API server process; its engine core is a child
             if "asyncllm" in wanted:
                 systems.append(AsyncLLMSystem(_setup.vllm_engine(model, args), paths))
@@ -474,7 +486,7 @@ def main() -> None:
     report = {"machine": _setup.machine(), "versions": _setup.versions(), "model": args.model,
               "settings": {k: getattr(args, k) for k in ("device", "rank", "adapters", "max_loras", "max_cpu_loras",
                                                          "max_model_len", "max_num_seqs", "kv_cache", "tokens",
-                                                         "streams", "workloads", "rounds")},
+                                                         "streams", "workloads", "rounds", "server_without_lora")},
               **results}
     if "loractl" in wanted:
         report["ratios"] = {f"loractl_over_{baseline}": ratios(report["rounds"], "loractl", baseline)

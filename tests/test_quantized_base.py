@@ -96,6 +96,8 @@ def test_an_adapter_trained_on_the_float_model_is_served_as_hf_peft(quantized_ba
         "/tiny-llama")   # the float model's name, not the AWQ folder's
     pulled = run_cli("pull", str(root / "a-float"), "--name", f"{fmt}/float", "--socket", str(d.socket))
     assert pulled.returncode == 0, pulled.stderr
+    shown = run_cli("show", f"{fmt}/float", "--socket", str(d.socket))
+    assert f"served on a quantized base ({ENGINE_NAMES[fmt]})" in shown.stdout, shown.stdout
     runs = served(d, f"{fmt}/float")
     expected = hf_logprobs(reference, root / "a-float", runs)
     assert gap([r[2] for r in runs], expected) < TOLERANCE

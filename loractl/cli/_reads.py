@@ -139,6 +139,18 @@ def requests_report(socket: str | None, home: str | None, json_output: bool) -> 
 
 
 
+def _served_quantized(socket: str | None, home: str | None) -> str:
+    """", served on a quantized base (awq)" when the daemon's base is quantized (issue 59): what
+    the adapter's float-model deltas are applied to. One more small read of the daemon's status."""
+    from loractl.cli._quick import message
+    from loractl.v1 import loractl_pb2 as pb
+
+    status = message(socket, home, "/loractl.v1.Loractl/Status", pb.StatusRequest(), pb.StatusReply)
+    quantization = status.engine.quantization if status is not None else \
+        ((_output().with_client(socket, home, lambda client: client.status()).get("engine") or {}).get("quantization"))
+    return f"; served on a quantized base ({quantization})" if quantization else ""
+
+
 def adapter_report(name: str, socket: str | None, home: str | None, json_output: bool) -> None:
     """``loractl show NAME``."""
     from loractl.cli._quick import reply
@@ -167,7 +179,7 @@ def adapter_report(name: str, socket: str | None, home: str | None, json_output:
         ("requests", f"{a['requests']} (last {ago(a['last_used'])})"),
         ("in host RAM", human_bytes(int(a["host_bytes"])) if int(a["host_bytes"]) else "-"),
         ("source", f"{a['source']} {a['ref']}" + (" (placed by hand)" if a["hand_placed"] else "")),
-        ("revision", a["revision"]), ("base model", a["base_model"] or "-"),
+        ("revision", a["revision"]), ("base model", (a["base_model"] or "-") + _served_quantized(socket, home)),
         ("rank", f"{a['rank']} (alpha {a['alpha']:g})"), ("targets", ", ".join(a["target_modules"]) or "-"),
         ("size", human_bytes(int(a["size_bytes"]))), ("pulled", pulled), ("path", a["path"]),
     ]
