@@ -97,7 +97,8 @@ def test_an_adapter_trained_on_the_float_model_is_served_as_hf_peft(quantized_ba
     pulled = run_cli("pull", str(root / "a-float"), "--name", f"{fmt}/float", "--socket", str(d.socket))
     assert pulled.returncode == 0, pulled.stderr
     shown = run_cli("show", f"{fmt}/float", "--socket", str(d.socket))
-    assert f"served on a quantized base ({ENGINE_NAMES[fmt]})" in shown.stdout, shown.stdout
+    flowed = " ".join(shown.stdout.split())   # the table wraps a long base path at the terminal's width
+    assert f"served on a quantized base ({ENGINE_NAMES[fmt]})" in flowed, shown.stdout
     runs = served(d, f"{fmt}/float")
     expected = hf_logprobs(reference, root / "a-float", runs)
     assert gap([r[2] for r in runs], expected) < TOLERANCE
