@@ -524,6 +524,14 @@ class Client:
         async with self._errors():
             return to_dict(await self.stub.Pin(pb.PinRequest(name=name, to=to), timeout=self.timeout))
 
+    async def set_admission(self, policy: str, *, max_wait_s: float | None = None) -> dict[str, Any]:
+        """Change the admission policy until the daemon stops; return the gate's state."""
+        request = pb.AdmissionRequest(policy=policy)
+        if max_wait_s is not None:
+            request.max_wait_s = max_wait_s
+        async with self._errors():
+            return to_dict(await self.stub.SetAdmission(request, timeout=self.timeout))
+
     async def unpin(self, name: str) -> dict[str, Any]:
         async with self._errors():
             return to_dict(await self.stub.Unpin(pb.NameRequest(name=name), timeout=self.timeout))

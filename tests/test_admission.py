@@ -379,3 +379,93 @@ def test_measured_closes_one_adapter_per_starving_adapter_keeping_the_busiest_op
         assert joined == {"measured": [True, False, False], "batching": [True, True, False]}
         assert gates["measured"].policy.closing_set(gates["measured"], clock.now, 5) == [3, 2]   # never the last
     run(go())
+
+
+def test_passthrough_admits_every_adapter_at_once_while_nothing_is_pinned():
+    """Issue 58: vLLM's scheduler keeps each step within max_loras, so passthrough lets more
+    adapters into the engine than there are places; it still counts and times each request."""
+    async def go():
+        gate = Gate(2, make_policy("passthrough"), clock=Clock())
+        tasks = [await arrive(gate, key) for key in (1, 2, 3, 4, 1)]
+        assert all(t.done() for t in tasks) and not gate.queue
+        assert gate.running == {1: 2, 2: 1, 3: 1, 4: 1} and gate.used == 4 > gate.places
+        assert gate.mode() == ("passthrough", "vLLM's scheduler keeps each step within max_loras")
+        assert all(t.result().wait_s == 0 for t in tasks)
+    run(go())
+
+
+def test_a_device_pin_makes_passthrough_hold_until_the_adapters_drain_to_a_free_place():
+    """A pin under passthrough waits until the adapters let in drain below the places (vLLM
+    admits max_loras adapters per step whatever is pinned); meanwhile new adapters wait and the
+    invariant holds from the pin on; the last unpin lets the held requests in, in order."""
+    async def go():
+        gate = Gate(2, make_policy("passthrough", 10.0))
+        a, b, c = [await arrive(gate, key) for key in (1, 2, 3)]
+        pin = asyncio.ensure_future(gate.reserve(1))   # running, but 3 adapters hold 2 places
+        await settle()
+        assert not pin.done() and gate.mode()[0] == "holding"
+        assert gate.mode()[1] == "a device pin waiting for a place: vLLM alone would evict it mid-step"
+        d = await arrive(gate, 4)
+        assert not d.done()                             # held: a pin waits
+        gate.finish(b.result())
+        await settle()
+        assert pin.done() and gate.pinned == {1} and gate.used == 2   # 1 (now a pin) and 3
+        assert gate.mode() == ("holding", "1 device pin: vLLM alone would evict it mid-step")
+        gate.finish(c.result())
+        await settle()
+        assert d.done() and gate.used == 2              # 4 took the place 3 left: held as batching
+        e = await arrive(gate, 5)
+        assert not e.done()
+        gate.unreserve(1)
+        await settle()
+        assert e.done() and gate.mode()[0] == "passthrough"
+        gate.finish(a.result())
+    run(go())
+
+
+def test_a_pin_of_an_idle_adapter_under_passthrough_waits_for_a_free_place():
+    async def go():
+        gate = Gate(1, make_policy("passthrough"))
+        a, b = await arrive(gate, 1), await arrive(gate, 2)
+        pin = asyncio.ensure_future(gate.reserve(9))
+        await settle()
+        gate.finish(a.result())
+        await settle()
+        assert not pin.done()                           # 2 still holds the only place
+        gate.finish(b.result())
+        await settle()
+        assert pin.done() and gate.pinned == {9} and gate.free == 0
+        later = await arrive(gate, 3)
+        assert not later.done()                         # no place left: the pin holds the gate
+    run(go())
+
+
+def test_a_policy_changed_while_serving_holds_new_adapters_until_the_active_ones_drain():
+    """``loractl admission measured`` after passthrough let 3 adapters into 2 places: the ones
+    running stay; a new adapter waits until they drain below the places; back to passthrough,
+    what waits goes in at once."""
+    async def go():
+        gate = Gate(2, make_policy("passthrough"))
+        a, b, c = [await arrive(gate, key) for key in (1, 2, 3)]
+        gate.set_policy(make_policy("measured", 0.1))
+        assert gate.mode() == ("holding", "policy measured: at most 2 adapters in the engine, pins included")
+        d = await arrive(gate, 4)
+        gate.finish(a.result())
+        await settle()
+        assert not d.done()                             # 2 and 3 still fill both places
+        gate.finish(b.result())
+        await settle()
+        assert d.done() and gate.used == 2
+        e = await arrive(gate, 5)
+        assert not e.done()
+        gate.set_policy(make_policy("passthrough"))
+        await settle()
+        assert e.done() and not gate.queue
+    run(go())
+
+
+def test_the_clis_policy_list_is_the_daemons():
+    from loractl.cli.status import ADMISSION_POLICIES
+    from loractld.serving.admission import POLICIES
+
+    assert ADMISSION_POLICIES == POLICIES

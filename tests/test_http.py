@@ -321,6 +321,8 @@ def test_too_many_requests_get_429_and_leave_the_others_alone(api, demo, referen
     n = 200
     ids = reference.chat_ids(PROMPT)
     names = ["tiny", "sql-expert/v1", "python-expert/v1", "tiny"]
+    for adapter in set(names):  # loaded first, so that no stream waits on a load while another ends
+        api.openai().chat.completions.create(model=adapter, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
 
     async def go():
         streaming = asyncio.Semaphore(0)
@@ -338,15 +340,24 @@ def test_too_many_requests_get_429_and_leave_the_others_alone(api, demo, referen
             tasks = [asyncio.create_task(stream(a)) for a in names]
             for _ in names:
                 await streaming.acquire()
-            with pytest.raises(openai.RateLimitError) as refused:
+            refusal = None
+            try:
                 await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
-            refused_at = time.monotonic()
-            return await asyncio.gather(*tasks), refused.value, refused_at, finished
+            except openai.RateLimitError as refused:
+                refusal = refused
+            answered_at = time.monotonic()
+            return await asyncio.gather(*tasks), refusal, answered_at, finished
 
-    texts, refusal, refused_at, finished = asyncio.run(go())
+    for _attempt in range(3):
+        texts, refusal, answered_at, finished = asyncio.run(go())
+        if refusal is not None or min(finished) > answered_at:
+            break
+        # One of the four ended before the fifth was answered (a loaded two-core machine can end
+        # 200 tokens in well under a second): the cap was not full, so the try proves nothing.
+    assert refusal is not None, "a fifth request while four streamed was not refused"
     # Refused, not queued behind the four: a queued request would answer after they end. (No
     # absolute time: on a loaded two-core machine the four can end within a second.)
-    assert refused_at < max(finished)
+    assert answered_at < max(finished)
     want = {a: expected(reference, demo, None if a == "tiny" else a, ids, n) for a in set(names)}
     assert texts == [want[a] for a in names]
     assert refusal.status_code == 429 and refusal.response.headers["retry-after"] == "1"

@@ -574,3 +574,49 @@ def test_events_show_what_happened_before_the_command_started(daemon, demo):
     assert asyncio.run(replayed())[-1]["adapter"] == "hist-poet/v1"
     shown = run_cli("events", "--history", "256", "-n", "1", "--json", "--socket", str(daemon.socket), timeout=30)
     assert shown.returncode == 0 and json.loads(shown.stdout)["kind"], shown.stderr
+
+
+def test_admission_passthrough_lets_every_adapter_in_and_holds_for_a_device_pin(tiered, home, reference):
+    """Issue 58: ``loractl admission passthrough`` while serving. Four adapters stream at once
+    on two device slots: none waits at the gate (vLLM's scheduler takes the turns) and every
+    output equals its reference; a device pin makes the gate hold, and says why; its unpin
+    lets it pass again. An unknown policy is refused in one line. The module's policy is put back."""
+    demo = home / "tiny" / "adapters"
+    n = 48
+    prompt = "Name a colour."
+    shown = cli(tiered, "admission", "passthrough").stdout
+    assert "admission passthrough: passthrough (vLLM's scheduler keeps each step within max_loras)" in shown
+    try:
+        status = json.loads(cli(tiered, "status", "--json").stdout)["admission"]
+        assert (status["policy"], status["mode"]) == ("passthrough", "passthrough")
+        assert "gate" in cli(tiered, "status").stdout
+
+        async def go():
+            async with tiered.client() as client:
+                tasks = [asyncio.create_task(collect(client, messages=[{"role": "user", "content": prompt}], lora=name,
+                                                     max_tokens=n, min_tokens=n, temperature=0.0)) for name in NAMES]
+                queued = 0
+                while not all(t.done() for t in tasks):
+                    queued = max(queued, (await client.status())["admission"]["queued"])
+                    await asyncio.sleep(0.01)
+                return [t.result() for t in tasks], queued
+
+        results, queued = asyncio.run(go())
+        ids = reference.chat_ids(prompt)
+        for name, got in zip(NAMES, results):
+            assert got["ids"] == reference.greedy(ids, demo / name, n, n), name
+        assert queued == 0, "a request waited at the gate under passthrough"
+        cli(tiered, "pin", NAMES[0], "--to", "device")
+        try:
+            gate = json.loads(cli(tiered, "admission", "--json").stdout)
+            assert (gate["mode"], gate["mode_reason"]) == ("holding", "1 device pin: vLLM alone would evict it mid-step")
+        finally:
+            cli(tiered, "unpin", NAMES[0])
+        assert json.loads(cli(tiered, "admission", "--json").stdout)["mode"] == "passthrough"
+        assert_one_error(run_cli("admission", "lifo", "--socket", str(tiered.socket)), 2,
+                         "unknown admission policy 'lifo'", "passthrough")
+        assert_one_error(run_cli("admission", "batching", "--max-wait", "-1", "--socket", str(tiered.socket)), 2,
+                         "--max-wait must be 0 or more")
+    finally:
+        back = json.loads(cli(tiered, "admission", POLICY[1], "--max-wait", str(DEFAULT_MAX_WAIT_S), "--json").stdout)
+    assert (back["policy"], back["mode"]) == (POLICY[1], "holding")

@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'batching' drains a hot adapter's queue "
                         "in one batch while bounding every wait (--admission-max-wait), 'adaptive' is batching with the bound "
                         "lowered to the measured drain, 'first-come' admits in "
-                        f"arrival order (default: {DEFAULT_POLICY})")
+                        "arrival order, 'passthrough' holds nothing while no device pin is held (vLLM's scheduler "
+                        "keeps each step within max_loras); change it while serving with loractl admission "
+                        f"(default: {DEFAULT_POLICY})")
     p.add_argument("--admission-max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="SECONDS",
                    help="batching; measured and adaptive (at most, and before anything is measured): after a request for "
                         "another adapter waited this long, an adapter holding a slot stops taking new requests and hands "

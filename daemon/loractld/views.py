@@ -205,6 +205,8 @@ class AdmissionView:
     adapters: list[AdapterQueueView] = field(default_factory=list)   # the longest-waiting first
     handover_s: float = 0.0     # measured: a turn's first request, grant to first token (0: none yet)
     service_s: float = 0.0      # measured: a request, grant to end (0: none yet)
+    mode: str = ""              # passthrough (every request enters at once) or holding
+    mode_reason: str = ""       # why, in words: "1 device pin: vLLM alone would evict it mid-step"
 
 
 @dataclass

@@ -78,7 +78,11 @@ def status_report(socket: str | None, home: str | None, json_output: bool, info:
         if gate.get("handover_s") or gate.get("service_s"):   # what the measured rule decides from
             bound += (f" (measured: a hand-over {1000 * gate.get('handover_s', 0.0):.0f} ms, "
                       f"a request {1000 * gate.get('service_s', 0.0):.0f} ms)")
+        if gate["policy"] == "passthrough":
+            bound = ""   # the bound is only passthrough's while a device pin makes it hold
         table.add_row("admission", f"{gate['policy']}{bound}")
+        if gate.get("mode"):
+            table.add_row("gate", f"{gate['mode']}: {gate.get('mode_reason') or '-'}")
         table.add_row("slots", f"{gate['active']} adapter(s) running, {gate['queued']} request(s) waiting "
                                "(loractl ps)")
     table.add_row("uptime", f"{info['uptime_s']:.0f} s (engine start {info['engine_start_s']:.1f} s)")

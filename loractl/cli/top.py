@@ -60,7 +60,7 @@ def render(status: dict[str, Any], adapters: list[dict[str, Any]], rates: dict[s
     lines = [f"loractl top - {engine.get('model_name') or engine['model']} on {engine['device'] or '-'} - "
              f"{time.strftime('%H:%M:%S', time.localtime(now))}",
              f"requests: {len(running)} running, {len(waiting)} waiting for a device slot"
-             f" (admission {gate.get('policy') or '-'}); KV cache "
+             f" (admission {gate.get('policy') or '-'}{', ' + gate['mode'] if gate.get('mode') else ''}); KV cache "
              + (f"{kv * 100:.1f}% used" if kv is not None else "use unknown"), ""]
     stored = [a for a in adapters if a.get("kind") != "profile"]   # a profile holds no slot and no file of its own
     tiers = {"device": [], "host": [], "disk": []}

@@ -78,6 +78,10 @@ class LoractlBase(abc.ABC):
     async def Merge(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.MergeRequest, loractl.v1.loractl_pb2.Adapter]') -> None:
         pass
 
+    @abc.abstractmethod
+    async def SetAdmission(self, stream: 'grpclib.server.Stream[loractl.v1.loractl_pb2.AdmissionRequest, loractl.v1.loractl_pb2.Admission]') -> None:
+        pass
+
     def __mapping__(self) -> typing.Dict[str, grpclib.const.Handler]:
         return {
             '/loractl.v1.Loractl/Status': grpclib.const.Handler(
@@ -175,6 +179,12 @@ class LoractlBase(abc.ABC):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 loractl.v1.loractl_pb2.MergeRequest,
                 loractl.v1.loractl_pb2.Adapter,
+            ),
+            '/loractl.v1.Loractl/SetAdmission': grpclib.const.Handler(
+                self.SetAdmission,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                loractl.v1.loractl_pb2.AdmissionRequest,
+                loractl.v1.loractl_pb2.Admission,
             ),
         }
 
@@ -277,4 +287,10 @@ class LoractlStub:
             '/loractl.v1.Loractl/Merge',
             loractl.v1.loractl_pb2.MergeRequest,
             loractl.v1.loractl_pb2.Adapter,
+        )
+        self.SetAdmission = grpclib.client.UnaryUnaryMethod(
+            channel,
+            '/loractl.v1.Loractl/SetAdmission',
+            loractl.v1.loractl_pb2.AdmissionRequest,
+            loractl.v1.loractl_pb2.Admission,
         )

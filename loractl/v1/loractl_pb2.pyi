@@ -107,7 +107,7 @@ class Startup(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[float] = ..., total: _Optional[float] = ..., unit: _Optional[str] = ..., detail: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests", "adapters", "handover_s", "service_s")
+    __slots__ = ("policy", "places", "pinned", "active", "queued", "max_wait_s", "requests", "adapters", "handover_s", "service_s", "mode", "mode_reason")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PLACES_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,8 @@ class Admission(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_S_FIELD_NUMBER: _ClassVar[int]
     SERVICE_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_REASON_FIELD_NUMBER: _ClassVar[int]
     policy: str
     places: int
     pinned: int
@@ -128,7 +130,17 @@ class Admission(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterQueue]
     handover_s: float
     service_s: float
-    def __init__(self, policy: _Optional[str] = ..., places: _Optional[int] = ..., pinned: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., max_wait_s: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterQueue, _Mapping]]] = ..., handover_s: _Optional[float] = ..., service_s: _Optional[float] = ...) -> None: ...
+    mode: str
+    mode_reason: str
+    def __init__(self, policy: _Optional[str] = ..., places: _Optional[int] = ..., pinned: _Optional[int] = ..., active: _Optional[int] = ..., queued: _Optional[int] = ..., max_wait_s: _Optional[float] = ..., requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ..., adapters: _Optional[_Iterable[_Union[AdapterQueue, _Mapping]]] = ..., handover_s: _Optional[float] = ..., service_s: _Optional[float] = ..., mode: _Optional[str] = ..., mode_reason: _Optional[str] = ...) -> None: ...
+
+class AdmissionRequest(_message.Message):
+    __slots__ = ("policy", "max_wait_s")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    max_wait_s: float
+    def __init__(self, policy: _Optional[str] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
 
 class AdapterQueue(_message.Message):
     __slots__ = ("adapter", "running", "queued", "oldest_wait_s")

@@ -58,6 +58,13 @@ def peer_credentials(stream) -> tuple[int, int, int]:
     return struct.unpack("3i", raw)
 
 
+def admission_message(fields: dict) -> pb.Admission:
+    """An ``AdmissionView``'s fields (``dataclasses.asdict``) as its message."""
+    fields["requests"] = [pb.RequestInfo(**r) for r in fields["requests"]]
+    fields["adapters"] = [pb.AdapterQueue(**a) for a in fields["adapters"]]
+    return pb.Admission(**fields)
+
+
 def mutating(operation: str, target=lambda request: request.name):
     """Only root, the daemon's own user or its socket group may change state; audit each call.
 
@@ -196,10 +203,7 @@ class LoractlService(LoractlBase):
         fields["engine"]["choices"] = [pb.EngineChoice(**c) for c in fields["engine"]["choices"]]
         fields["engine"] = pb.EngineConfig(**fields["engine"])
         fields["capacity"] = pb.Capacity(**fields["capacity"])
-        admission = fields["admission"]
-        admission["requests"] = [pb.RequestInfo(**r) for r in admission["requests"]]
-        admission["adapters"] = [pb.AdapterQueue(**a) for a in admission["adapters"]]
-        fields["admission"] = pb.Admission(**admission)
+        fields["admission"] = admission_message(fields["admission"])
         fields["startup"] = pb.Startup(**fields["startup"])
         await stream.send_message(pb.StatusReply(**fields))
 
@@ -285,6 +289,13 @@ class LoractlService(LoractlBase):
     @mutating("unpin")
     async def Unpin(self, stream, request: pb.NameRequest) -> None:
         await stream.send_message(adapter_message(await self.core.unpin(request.name)))
+
+    @domain_errors
+    @mutating("admission", target=lambda request: request.policy)
+    async def SetAdmission(self, stream, request: pb.AdmissionRequest) -> None:
+        max_wait = request.max_wait_s if request.HasField("max_wait_s") else None
+        view = await self.core.set_admission(request.policy, max_wait)
+        await stream.send_message(admission_message(dataclasses.asdict(view)))
 
     @domain_errors
     @mutating("rm")

@@ -84,7 +84,8 @@ class Reports:
                                 position=gate.position(t), waited_s=t.wait_s if t.admitted is not None else now - t.arrived,
                                 age_s=now - t.arrived) for t in gate.tickets.values()]
         measured = gate.measured
-        return AdmissionView(policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
+        mode, mode_reason = gate.mode()
+        return AdmissionView(mode=mode, mode_reason=mode_reason, policy=gate.policy.name, places=gate.places, pinned=len(gate.pinned),
                              active=len(gate.unpinned_active()), queued=len(gate.queue),
                              max_wait_s=float(gate.policy.bound()) if hasattr(gate.policy, "bound") else 0.0, requests=requests,
                              adapters=[AdapterQueueView(q.label, q.running, q.queued, q.oldest_wait_s)

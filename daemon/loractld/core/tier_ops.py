@@ -8,18 +8,23 @@ A part of ``Core`` (a base class of it).
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
-from loractl.errors import LoractlError
+from loractl.errors import InvalidRequest, LoractlError
+from loractld.serving.admission import DEFAULT_MAX_WAIT_S, POLICIES
+from loractld.serving.policies import make_policy
 from loractld.serving.residency import ON_DISK
 from loractld.store.identity import Checking
-from loractld.views import AdapterView
+from loractld.views import AdapterView, AdmissionView
 
 if TYPE_CHECKING:
     from loractld.core.state import Catalog
     from loractld.serving.residency import EngineState
     from loractld.store.identity import AdapterRef
     from loractld.store.disk import StoredAdapter
+
+_log = logging.getLogger("loractld.core")
 
 
 class TierOps:
@@ -34,6 +39,24 @@ class TierOps:
 
     async def unpin(self, name: str) -> AdapterView:
         return await self._tier_op(name, lambda tiers: tiers.unpin(name))
+
+    async def set_admission(self, policy: str, max_wait_s: float | None = None) -> AdmissionView:
+        """Change the admission policy while serving (``loractl admission POLICY``), until the
+        daemon stops (``--admission`` sets it for good). Requests running or waiting stay; the
+        bound in force is kept when none is given."""
+        if policy not in POLICIES:
+            raise InvalidRequest(f"unknown admission policy {policy!r}", f"Choose one of: {', '.join(POLICIES)}.")
+        if max_wait_s is not None and not max_wait_s >= 0:
+            raise InvalidRequest(f"--max-wait must be 0 or more seconds, not {max_wait_s}",
+                                 "Example: loractl admission batching --max-wait 0.1")
+        await self._wait_engine()
+        gate = self.gate
+        before = gate.policy.name
+        bound = max_wait_s if max_wait_s is not None else getattr(gate.policy, "max_wait_s", DEFAULT_MAX_WAIT_S)
+        gate.set_policy(make_policy(policy, bound))
+        mode, why = gate.mode()
+        _log.info("admission policy %s -> %s (max wait %.3f s): %s, %s", before, policy, bound, mode, why)
+        return self._admission_view()
 
     async def _tier_op(self, name: str, op) -> AdapterView:
         _, tiers = await self._wait_engine()

@@ -14,8 +14,13 @@ is *active* while the engine holds at least one of its requests; every active ad
 not device-pinned takes one place, and every device pin takes one for good.
 
 Invariants:
-- active unpinned adapters + device pins <= places, at every moment, whatever the policy; so
-  every step's adapters fit in the device slots next to the pinned ones.
+- active unpinned adapters + device pins <= places, at every moment, under every policy that
+  holds; so every step's adapters fit in the device slots next to the pinned ones. The one
+  policy that does not hold, ``passthrough`` (issue 58), admits every request at once while no
+  device pin is held or waiting: vLLM's scheduler then keeps each step within ``max_loras``
+  itself (a request that would exceed it is skipped and stays first in line), and loractl's
+  schedule is vLLM's. Once a device pin is asked for, it holds as ``batching`` does: the pin
+  waits until the adapters active then drain to a free place.
 - A base-model request, or one for a device-pinned adapter, never waits.
 - A waiter that goes away (client gone, deadline, drain) leaves its queue at once; a place
   granted to it that it did not take is handed on at once. This holds for device pins too: a
@@ -39,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-POLICIES = ("measured", "batching", "adaptive", "first-come")
+POLICIES = ("measured", "batching", "adaptive", "first-come", "passthrough")
 DEFAULT_POLICY = "measured"
 DEFAULT_MAX_WAIT_S = 0.1  # bench/thrash_bench.py: 1 s let cold adapters starve and halved tokens/s
 # Wait-time histogram buckets (seconds): from "did not wait" to "starved".
@@ -115,6 +120,7 @@ class Policy(Protocol):
 
     name: str
     batch_on_grant: bool    # a freed place admits every waiting request of its adapter at once
+    holds: bool             # False: admit everything while no device pin is held or waiting (passthrough)
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         """May a waiting request for ``key``, already active, enter the engine now?"""
@@ -130,6 +136,7 @@ class FirstCome:
 
     name = "first-come"
     batch_on_grant = False
+    holds = True
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         return gate.queue[0].key == key   # only the head of the line moves
@@ -153,6 +160,7 @@ class AdapterBatching:
 
     name = "batching"
     batch_on_grant = True
+    holds = True
 
     def __init__(self, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
         self.max_wait_s = max_wait_s
@@ -234,6 +242,24 @@ class AdaptiveBatching(AdapterBatching):
         return key
 
 
+class Passthrough(AdapterBatching):
+    """vLLM's own schedule: no request waits at the gate while no device pin is held or waiting.
+
+    vLLM's scheduler already keeps a step within ``max_loras`` distinct adapters: a waiting
+    request that would exceed it is skipped and stays at the head of its queue, so a freed slot
+    goes to the oldest waiter in the next step, with no hop through the daemon. Where a slot
+    change costs microseconds (a GPU: a copy from pinned host memory against a ~3 ms step) a
+    hold in front of the engine can only add waiting (issue 58: zipf@16 at 0.83x the server's
+    tokens/s under ``batching`` on an H200). The gate still counts, times and publishes every
+    request. A device pin is the exception: vLLM admits ``max_loras`` adapters per step whatever
+    is pinned, which kills the engine, so while one is held or waiting this policy holds as
+    ``batching`` (the slot invariant, and its starvation bound ``max_wait_s``).
+    """
+
+    name = "passthrough"
+    holds = False
+
+
 class Gate:
     """The admission gate. Single-threaded: every method runs on the daemon's event loop.
 
@@ -278,6 +304,31 @@ class Gate:
     @property
     def pins_waiting(self) -> bool:
         return bool(self._pin_waiters)
+
+    @property
+    def passing(self) -> bool:
+        """Every request enters at once: the policy does not hold and no device pin needs a place."""
+        return not self.policy.holds and not self.pinned and not self._pin_waiters
+
+    def mode(self) -> tuple[str, str]:
+        """What the gate does now and why, for ``status``, ``top`` and the metrics:
+        ("passthrough", why) or ("holding", why)."""
+        if self.passing:
+            return "passthrough", "vLLM's scheduler keeps each step within max_loras"
+        if not self.policy.holds:
+            pins = len(self.pinned)
+            held = f"{pins} device pin{'s' if pins != 1 else ''}" if pins else "a device pin waiting for a place"
+            return "holding", f"{held}: vLLM alone would evict it mid-step"
+        return "holding", f"policy {self.policy.name}: at most {self.places} adapters in the engine, pins included"
+
+    def set_policy(self, policy: Policy) -> None:
+        """Change the policy while serving (``loractl admission POLICY``). Requests in the engine
+        stay; a holding policy taken after ``passthrough`` admits no new adapter until the ones
+        active drain below the places."""
+        self.policy = policy
+        if hasattr(policy, "bind"):
+            policy.bind(self)
+        self._pump()
 
     def position(self, ticket: Ticket) -> int:
         """1-based place in the waiting line; 0 once admitted."""
@@ -326,7 +377,7 @@ class Gate:
         when the request ends (finished, aborted or failed). ``ref``: the adapter, for watchers."""
         ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock(), ref=ref)
         self.tickets[ticket.id] = ticket
-        if key is None or key in self.pinned:
+        if key is None or key in self.pinned or self.passing:
             self._admit(ticket)
             return ticket
         self.queue.append(ticket)
@@ -370,7 +421,9 @@ class Gate:
         other's pin, which the gate cannot see."""
         if key in self.pinned:
             return
-        if key in self.running or (self.free > 0 and not self._pin_waiters):
+        # An active adapter keeps its place as the pin's, unless passthrough let more adapters in
+        # than there are places: then the pin waits until they drain (vLLM would evict it).
+        if (key in self.running and self.used <= self.places) or (self.free > 0 and not self._pin_waiters):
             self.pinned.add(key)
             self._pump()
             return
@@ -402,7 +455,9 @@ class Gate:
         now = self.clock()
         # A pin of an adapter already pinned (another name of the same content) or active takes
         # no new place: granted at once, never left waiting (and holding every admission) for one.
-        for key, waiter in [w for w in self._pin_waiters if w[0] in self.pinned or w[0] in self.running]:
+        over = self.used > self.places   # passthrough's adapters still draining: no pin lands yet
+        for key, waiter in [w for w in self._pin_waiters
+                            if w[0] in self.pinned or (w[0] in self.running and not over)]:
             self._pin_waiters.remove((key, waiter))
             if not waiter.done():
                 self.pinned.add(key)
@@ -417,6 +472,9 @@ class Gate:
                 self._pin_waiters.remove(other)
                 if not other[1].done():
                     other[1].set_result(None)
+        if self.passing:   # the last pin went: what it held back goes in, in arrival order
+            for ticket in list(self.queue):
+                self._admit(ticket)
         progress = True
         while progress and self.queue:
             progress = False

@@ -7,7 +7,7 @@ rule, built on them), so that each of those imports only what is below it.
 from __future__ import annotations
 
 from loractld.serving.admission import (DEFAULT_MAX_WAIT_S, POLICIES, AdapterBatching, AdaptiveBatching, FirstCome,
-                                        Policy)
+                                        Passthrough, Policy)
 from loractld.serving.handover import MeasuredHandover
 
 
@@ -20,4 +20,6 @@ def make_policy(name: str, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> Policy:
         return AdaptiveBatching(max_wait_s)
     if name == "measured":
         return MeasuredHandover(max_wait_s)
+    if name == "passthrough":
+        return Passthrough(max_wait_s)
     raise ValueError(f"unknown admission policy {name!r}; choose one of {', '.join(POLICIES)}")
