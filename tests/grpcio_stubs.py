@@ -33,7 +33,7 @@ RPCS: dict[str, tuple[type, bool]] = {
     "Remove": (pb.RemoveRequest, False), "Load": (pb.LoadRequest, False), "Evict": (pb.EvictRequest, False),
     "Pin": (pb.PinRequest, False), "Unpin": (pb.NameRequest, False), "Events": (pb.EventsRequest, True),
     "Metrics": (pb.MetricsRequest, False), "Create": (pb.CreateRequest, False), "Copy": (pb.CopyRequest, False),
-    "Merge": (pb.MergeRequest, False),
+    "Merge": (pb.MergeRequest, False), "SetAdmission": (pb.AdmissionRequest, False),
 }
 
 
