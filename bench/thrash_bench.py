@@ -16,6 +16,7 @@ and round:
 - ``batching``   — loractld ``--admission batching`` (the default before issue 40), through ``loractl.Client``;
 - ``adaptive``   — loractld ``--admission adaptive`` (batching, the bound from measured drains; opt in);
 - ``first-come`` — loractld ``--admission first-come``;
+- ``passthrough`` — loractld ``--admission passthrough`` (vLLM's own schedule while no device pin is held);
 - ``server``     — ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs),
   through the ``openai`` package, streaming chat.
 
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402
 from serve_bench import LoractlSystem, ServerSystem, cell, start_server, stop  # noqa: E402
 
-POLICIES = ("measured", "batching", "adaptive", "first-come")
+POLICIES = ("measured", "batching", "adaptive", "first-come", "passthrough")
 FIGURES = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")
 
 
