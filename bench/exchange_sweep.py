@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=15.0, help="every step padded to this (above the CPU's own)")
     p.add_argument("--cells", default="0.05:0.5,0.3:0.5,1:0.5,3:0.5,0.3:3,0.3:10",
                    help="exchange:disk pairs, each a multiple of the step")
-    p.add_argument("--policies", default="passthrough,measured")
+    p.add_argument("--policies", default="passthrough,measured,auto")
     p.add_argument("--cpu-fixes", action="store_true", help="loractl's CPU LoRA ops (default: vLLM's own, as the server)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", default="4,16")

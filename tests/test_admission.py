@@ -12,7 +12,8 @@ import random
 import pytest
 
 from loractld.serving.admission import AdapterBatching, AdaptiveBatching, FirstCome, Gate
-from loractld.serving.policies import make_policy
+from loractld.serving.exchange_price import ExchangePrice
+from loractld.serving.policies import PolicyContext, make_policy
 
 
 class Clock:
@@ -68,7 +69,7 @@ def test_base_requests_and_device_pinned_adapters_never_wait():
     run(go())
 
 
-@pytest.mark.parametrize("policy", ["first-come", "batching", "adaptive"])
+@pytest.mark.parametrize("policy", ["first-come", "batching", "adaptive", "auto"])
 def test_never_more_adapters_than_places_under_random_traffic(policy):
     """Random arrivals, ends, cancellations, pins and unpins: the invariant holds after each,
     and every request that was not cancelled is admitted in the end."""
@@ -462,6 +463,66 @@ def test_a_policy_changed_while_serving_holds_new_adapters_until_the_active_ones
         await settle()
         assert e.done() and not gate.queue
     run(go())
+
+
+def test_auto_holds_until_an_exchange_is_measured_cheap_and_again_once_it_costs_a_step():
+    """``auto`` starts holding (as measured); at a price of 0.5 steps or less it passes and lets
+    what waits in; between 0.5 and 1 it stays as it is (hysteresis); from 1 step it holds again,
+    admitting no new adapter until the ones let in drain below the places."""
+    async def go():
+        context = PolicyContext()
+        gate = Gate(2, make_policy("auto", 10.0, context))   # not checked(): passing, it lets 6 in
+        a, b, c = [await arrive(gate, key) for key in (1, 2, 3)]
+        assert a.done() and b.done() and not c.done()
+        assert gate.mode() == ("holding", "auto: exchange price not measured yet (holding until it is at most 0.5 steps)")
+        context.price = lambda: 0.8                     # not cheap enough to let go
+        d = await arrive(gate, 4)
+        assert not d.done() and gate.mode()[0] == "holding"
+        context.price = lambda: 0.3
+        e = await arrive(gate, 5)                       # the next change pumps: everything goes in
+        assert c.done() and d.done() and e.done() and not gate.queue
+        assert gate.mode() == ("passthrough", "auto: an exchange costs 0.30 steps (passthrough at 0.5 or less, "
+                                              "holding at 1.0 or more)")
+        context.price = lambda: 0.8                     # inside the band: still passing
+        f = await arrive(gate, 6)
+        assert f.done()
+        context.price = lambda: 1.5
+        g = await arrive(gate, 7)
+        assert not g.done() and gate.mode()[0] == "holding"
+        for t in (a, b, c, d):
+            gate.finish(t.result())
+        await settle()
+        assert not g.done() and gate.used == 2          # 5 and 6 fill both places
+        gate.finish(e.result())
+        await settle()
+        assert g.done() and gate.used == 2 == gate.places
+    run(go())
+
+
+def test_auto_holds_for_good_where_a_mixed_step_costs_more():
+    async def go():
+        gate = checked(Gate(1, make_policy("auto", 10.0, PolicyContext(mixing_costly=True, price=lambda: 0.01))))
+        a, b = await arrive(gate, 1), await arrive(gate, 2)
+        assert a.done() and not b.done()
+        assert gate.mode() == ("holding", "auto: loractl's CPU LoRA ops make a mixed step cost more than one of "
+                                          "one adapter")
+    run(go())
+
+
+def test_the_exchange_price_is_copy_and_load_time_per_copy_over_a_steps_own_time():
+    price = ExchangePrice()
+    clocks = {"steps": 0, "step_s": 0.0, "exchanges": 0, "exchange_s": 0.0, "loads": 0, "load_s": 0.0, "in_step_s": 0.0}
+    price.observe(clocks)
+    assert price.price is None
+    # 10 steps of 1.2 s, of which 0.2 s per step was 4 copies (0.1 s each) and 2 loads (0.3 s each)
+    later = {"steps": 10, "step_s": 12.0, "exchanges": 4, "exchange_s": 0.4, "loads": 2, "load_s": 0.6, "in_step_s": 1.0}
+    price.observe(later)
+    assert price.price == pytest.approx((0.4 + 0.6) / 4 / ((12.0 - 1.0) / 10))
+    assert price.step_s == pytest.approx(1.1)
+    price.observe({**later, "steps": 12, "step_s": 14.0})   # no copy since: no new window
+    assert price.windows == 1
+    price.observe({k: 0 for k in later})                    # a restarted engine: its clocks start over
+    assert price.windows == 1 and price._base == {k: 0 for k in later}
 
 
 def test_the_clis_policy_list_is_the_daemons():

@@ -7,6 +7,7 @@ it moved (the weights files read; onto the device, what the engine holds of them
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -78,3 +79,11 @@ def test_loads_bytes_and_waits_per_tier_in_the_metrics_and_in_top(thrashing):
     assert shown == {key: after.get(key, 0) - before.get(key, 0) for key in shown}, frames
     assert sum(f["exchange"]["waits"].get("slot", {}).get("requests", 0) for f in frames) == len(ORDER)
     assert frames[-1]["tiers"]["host"]["used"] == status["host_used"]
+
+    # The worker timed the 8 copies, the 8 loads and the steps: the exchange price (auto's
+    # measure) is a positive number of steps, and a step's own time a positive time.
+    text = cli(thrashing, "metrics")
+    price = re.search(r"^loractl_exchange_price_steps (\S+)$", text, re.M)
+    step = re.search(r"^loractl_engine_step_seconds (\S+)$", text, re.M)
+    assert price and step, text[-2000:]
+    assert float(price.group(1)) > 0 and 0 < float(step.group(1)) < 5

@@ -103,6 +103,10 @@ class Metrics:
         "loractl_adapter_requests_total": ("counter", "Generation requests per adapter (empty: the base model)."),
         "loractl_adapter_generated_tokens_total": ("counter", "Tokens generated per adapter (empty: the base model)."),
         "loractl_tier_bytes": ("gauge", "Bytes of adapters held per tier."),
+        "loractl_exchange_price_steps": ("gauge", "What bringing an adapter into a device slot costs the engine, in "
+                                                  "steps: copy and disk-load time per copy over a step's own time "
+                                                  "(the auto admission policy's measure)."),
+        "loractl_engine_step_seconds": ("gauge", "A step's own time (exchanges taken out), as last measured."),
         "loractl_tier_adapters": ("gauge", "Adapters held per tier."),
         "loractl_engine_requests": ("gauge", "Requests the engine holds (waiting or running)."),
         "loractl_engine_asleep": ("gauge", "1 while the engine sleeps after --keep-alive idle (its memory given "

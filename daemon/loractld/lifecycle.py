@@ -27,7 +27,7 @@ from loractld.engine import pidfile as enginepid
 from loractld.home_claim import claim_socket_path, lock_home
 from loractld.store.identity import AdapterResolver
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S, DEFAULT_POLICY, Gate
-from loractld.serving.policies import make_policy
+from loractld.serving.policies import PolicyContext, make_policy
 from loractld.serving.prefetch import Prefetcher
 from loractld.api import grpc_deadlines
 from loractld.api.coalesce import CoalescingServer, quiet_hang_ups
@@ -387,11 +387,14 @@ async def _serve_locked(settings: DaemonSettings, systemd: SystemdEnv, layout: p
             exit_code = 1
         else:
             assert core.catalog is not None
+            context = PolicyContext(mixing_costly=engine.device == "cpu" and engine.settings.cpu_fixes)
             gate = Gate(engine.settings.max_loras, make_policy(settings.admission_policy,
-                                                               settings.admission_max_wait_s))
+                                                               settings.admission_max_wait_s, context))
             tiers = Tiers(engine, core.catalog.resolver, open_state(layout.state_dir / "state.json", core.catalog.store),
                           core.events, core.metrics, gate, max_loras=engine.settings.max_loras,
                           max_cpu_loras=engine.settings.max_cpu_loras)
+            context.price = lambda: tiers.reader.price.price
+            core.policy_context = context
             if settings.prefetch:
                 Prefetcher(tiers, gate)   # it watches the gate from now on
             await tiers.sync()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from loractld.models.naming import ModelName
     from loractld.serving.admission import Gate
     from loractld.serving.keep_alive import KeepAlive
+    from loractld.serving.policies import PolicyContext
     from loractld.serving.tiers import Tiers
     from loractld.store.blobs import Blobs
     from loractld.store.disk import Store
@@ -78,6 +79,7 @@ class CoreState:
         self.engine: Engine | None = None
         self.tiers: Tiers | None = None
         self.gate: Gate | None = None
+        self.policy_context: PolicyContext | None = None   # what ``auto`` reads (lifecycle sets it)
         self.engine_ready = asyncio.Event()
         self.events = EventBus()
         self.metrics = Metrics()

@@ -53,7 +53,7 @@ class TierOps:
         gate = self.gate
         before = gate.policy.name
         bound = max_wait_s if max_wait_s is not None else getattr(gate.policy, "max_wait_s", DEFAULT_MAX_WAIT_S)
-        gate.set_policy(make_policy(policy, bound))
+        gate.set_policy(make_policy(policy, bound, self.policy_context))
         mode, why = gate.mode()
         _log.info("admission policy %s -> %s (max wait %.3f s): %s, %s", before, policy, bound, mode, why)
         return self._admission_view()

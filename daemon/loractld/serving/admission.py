@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-POLICIES = ("measured", "batching", "adaptive", "first-come", "passthrough")
+POLICIES = ("measured", "batching", "adaptive", "first-come", "passthrough", "auto")
 DEFAULT_POLICY = "measured"
 DEFAULT_MAX_WAIT_S = 0.1  # bench/thrash_bench.py: 1 s let cold adapters starve and halved tokens/s
 # Wait-time histogram buckets (seconds): from "did not wait" to "starved".
@@ -122,6 +122,9 @@ class Policy(Protocol):
     batch_on_grant: bool    # a freed place admits every waiting request of its adapter at once
     holds: bool             # False: admit everything while no device pin is held or waiting (passthrough)
 
+    def why(self) -> str | None:
+        """What the policy decided its mode from, where that is more than its name (``auto``)."""
+
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         """May a waiting request for ``key``, already active, enter the engine now?"""
 
@@ -137,6 +140,10 @@ class FirstCome:
     name = "first-come"
     batch_on_grant = False
     holds = True
+
+    def why(self) -> str | None:
+        """What the policy decided its mode from, where that is more than its name (``auto``)."""
+        return None
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         return gate.queue[0].key == key   # only the head of the line moves
@@ -168,6 +175,9 @@ class AdapterBatching:
     def bound(self) -> float:
         """How long a request for an inactive adapter waits before an active one hands over."""
         return self.max_wait_s
+
+    def why(self) -> str | None:
+        return None
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
         bound = self.bound()
@@ -313,13 +323,14 @@ class Gate:
     def mode(self) -> tuple[str, str]:
         """What the gate does now and why, for ``status``, ``top`` and the metrics:
         ("passthrough", why) or ("holding", why)."""
+        why = self.policy.why()
         if self.passing:
-            return "passthrough", "vLLM's scheduler keeps each step within max_loras"
+            return "passthrough", why or "vLLM's scheduler keeps each step within max_loras"
         if not self.policy.holds:
             pins = len(self.pinned)
             held = f"{pins} device pin{'s' if pins != 1 else ''}" if pins else "a device pin waiting for a place"
             return "holding", f"{held}: vLLM alone would evict it mid-step"
-        return "holding", f"policy {self.policy.name}: at most {self.places} adapters in the engine, pins included"
+        return "holding", why or f"policy {self.policy.name}: at most {self.places} adapters in the engine, pins included"
 
     def set_policy(self, policy: Policy) -> None:
         """Change the policy while serving (``loractl admission POLICY``). Requests in the engine
@@ -378,6 +389,8 @@ class Gate:
         ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock(), ref=ref)
         self.tickets[ticket.id] = ticket
         if key is None or key in self.pinned or self.passing:
+            if self.queue and self.passing:
+                self._pump()   # auto stopped holding since the last change: what waited goes in first
             self._admit(ticket)
             return ticket
         self.queue.append(ticket)

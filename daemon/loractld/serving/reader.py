@@ -18,6 +18,7 @@ import logging
 from typing import Callable
 
 from loractld.events import Event, EventBus, Metrics
+from loractld.serving.exchange_price import ExchangePrice
 from loractld.serving.residency import EngineState, TierEngine
 
 _log = logging.getLogger("loractld.tiers")
@@ -39,6 +40,7 @@ class EngineStateReader:
         self.follow_interval_s = follow_interval_s
         self._activity = asyncio.Event()
         self._follower: asyncio.Task | None = None
+        self.price = ExchangePrice()        # what an exchange costs, in steps (the auto policy's measure)
 
     def expect(self, engine_id: int, tier: str, reason: str) -> None:
         """``engine_id`` is about to arrive in or leave ``tier`` because of ``reason`` (an
@@ -93,6 +95,10 @@ class EngineStateReader:
             changes += [(tier, "in", i) for tier, old, new in (("host", before.host, now.host),
                                                               ("device", before.device, now.device)) for i in new if i not in old]
         self._seq = int(raw.get("seq", -1))
+        self.price.observe(raw.get("costs", {}))
+        if self.price.price is not None:
+            self.metrics.set("loractl_exchange_price_steps", (), round(self.price.price, 4))
+            self.metrics.set("loractl_engine_step_seconds", (), round(self.price.step_s, 6))
         for tier, direction, engine_id in changes:
             if direction == "in":
                 reason = self._reasons.pop((engine_id, tier), "lazy")

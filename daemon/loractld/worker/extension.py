@@ -34,9 +34,10 @@ import collections
 import functools
 import json
 import os
+import time
 from typing import Any
 
-from loractld.worker import hooks, kv_scrub, vllm_seam
+from loractld.worker import exchange_clock, hooks, kv_scrub, vllm_seam
 
 JOURNAL_LIMIT = 4096  # records; a reader further behind than this falls back to a diff
 # The file the worker appends a JSON line {"id", "error"} to for each adapter it failed to load
@@ -111,6 +112,7 @@ def loractl_lora_state(self, since: int = -1) -> dict[str, Any]:
         "seq": seq,
         "changes": [list(r) for r in journal if r[0] > since] if since >= 0 else [],
         "journal_complete": since < 0 or since + 1 >= oldest,
+        "costs": exchange_clock.snapshot(),
     }
 
 
@@ -296,7 +298,9 @@ def _guarded_load(load):
     @functools.wraps(load)
     def wrapper(self, lora_request):
         try:
+            began = time.perf_counter()
             lora = load(self, lora_request)
+            exchange_clock.charge("load", time.perf_counter() - began)
             hooks.reached("worker-loaded", lora_request, lora)  # a hook may fail or alter it here
             return lora
         except Exception as e:
@@ -327,7 +331,10 @@ def _guarded_activate(activate):
         free = None if lora_id in self._active_adapters else next(
             (i for i, held in enumerate(self.lora_index_to_id) if held is None), None)
         try:
+            began = time.perf_counter()
             result = activate(self, lora_id)
+            if result:   # False: it was in a slot already, nothing was copied
+                exchange_clock.charge("exchange", time.perf_counter() - began)
             hooks.reached("worker-activated", lora_id)  # a raise here: as a set_lora failing would
             return result
         except Exception as e:
@@ -402,6 +409,6 @@ def install() -> None:
             setattr(owner, name, _guarded_activate(getattr(owner, name)))
     for owner, name in vllm_seam.targets("scrubbed_steps"):
         if not getattr(getattr(owner, name), "_loractl_scrubbed", False):
-            step = hooks.wrap("worker-step", kv_scrub.scrubbed_steps(getattr(owner, name)))
+            step = hooks.wrap("worker-step", exchange_clock.timed_steps(kv_scrub.scrubbed_steps(getattr(owner, name))))
             step._loractl_scrubbed = True  # type: ignore[attr-defined]  (whatever wraps it: installed once)
             setattr(owner, name, step)
