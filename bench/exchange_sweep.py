@@ -72,6 +72,8 @@ async def run_round(systems: list, args, log: Path, round_no: int) -> dict:
             if isinstance(system, Policy):
                 await asyncio.sleep(0.3)   # the last WAITED_FOR_SLOT event reaches the watcher
                 result["longest_gate_wait_ms"] = round(system.daemon.take_longest_wait() * 1000, 1)
+                gate = (await system.daemon.client.status())["admission"]
+                result["gate_mode_after"] = f"{gate['mode']}: {gate['mode_reason']}"
             after = cost_injector.counts(log)
             result.update({f"{k}s_charged": after[k] - before[k] for k in after})
             out[system.name][f"zipf@{streams}"] = result

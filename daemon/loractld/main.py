@@ -130,9 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in one batch while bounding every wait (--admission-max-wait), 'adaptive' is batching with the bound "
                         "lowered to the measured drain, 'first-come' admits in "
                         "arrival order, 'passthrough' holds nothing while no device pin is held (vLLM's scheduler "
-                        "keeps each step within max_loras), 'auto' is passthrough while an adapter exchange measurably costs "
-                        "half a step or less and measured from a whole step up (measured always on the CPU with its LoRA "
-                        "fixes); change it while serving with loractl admission "
+                        "keeps each step within max_loras), 'auto' is measured on the CPU with loractl's LoRA ops (a mixed step "
+                        "costs more there) and passthrough elsewhere; change it while serving with loractl admission "
                         f"(default: {DEFAULT_POLICY})")
     p.add_argument("--admission-max-wait", type=float, default=DEFAULT_MAX_WAIT_S, metavar="SECONDS",
                    help="batching; measured and adaptive (at most, and before anything is measured): after a request for "

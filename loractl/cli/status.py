@@ -80,9 +80,9 @@ def admission(
     passthrough: every request enters the engine at once and vLLM's scheduler keeps each step
     within max_loras, as vLLM's own server does (the choice where a slot change costs
     microseconds: a GPU); it holds as batching while a device pin is held or waiting.
-    auto: passthrough while an adapter exchange costs the engine half a step or less, measured
-    from a whole step up (the price is measured as it serves; shown with the mode); on the CPU
-    with loractl's LoRA ops, where a mixed step costs more, it holds as measured.
+    auto: measured on the CPU with loractl's LoRA ops, where a step of mixed adapters costs
+    more than one of one adapter; passthrough elsewhere (a GPU), with the measured price of an
+    exchange shown beside the mode.
     measured, batching, adaptive, first-come: a request for an adapter waits at the gate while
     the slots hold others (see loractld --help). A change holds until the daemon stops; set
     loractld --admission for good. Requests running or waiting stay.

@@ -1,18 +1,16 @@
 """``auto``: hold only what the engine cannot hide (issue 58, item 2).
 
-The gate is ``passthrough`` (vLLM's own schedule) while an adapter exchange is cheap against a
-step, and ``measured`` (loractl's hand-over rule) while it is not, with hysteresis so that it
-does not flap: it starts holding; it passes once the measured exchange price
-(:mod:`loractld.serving.exchange_price`: copy + disk-load time per copy, in steps) is at most
-``RELEASE``, and holds again once it reaches ``ENGAGE``. A device pin holds under every mode
-(the gate's invariant), and the hand-over rule's starvation bound holds while holding.
-
-Where mixing adapters in one step is itself costly, the price of a copy says nothing: loractl's
-CPU LoRA ops (``worker/cpu_fixes``) run a step of one adapter as one matmul and a mixed step on
-vLLM's per-token path, so on the CPU with its fixes on ``auto`` holds for good (the CPU lead in
-docs/benchmarks.md is that). The thresholds are the exchange sweep's (``bench/exchange_sweep.py``,
-docs/benchmarks.md "The GPU's regime on a CPU"): passthrough at or ahead of holding at
-exchange/step 0.05 and 0.3, holding ahead at 3.
+Holding requests in front of the engine pays where mixing adapters in one step costs more than
+a step of one: loractl's CPU LoRA ops (``worker/cpu_fixes``) run a step of one adapter as one
+matmul and a mixed step on vLLM's per-token path (the CPU lead in docs/benchmarks.md is that).
+There ``auto`` holds as ``measured``. Everywhere else it is ``passthrough`` (vLLM's own
+schedule): in the exchange sweep (``bench/exchange_sweep.py``, docs/benchmarks.md "The GPU's
+regime on a CPU": steps padded so that mixing is free, a slot copy costing 0.05-3 steps, a disk
+load 0.5-10 steps; measured prices 0.4-10 steps), holding never beat passthrough: at 16 streams
+it gave 0.88-0.97x the server's tokens/s where passthrough gave 1.01-1.09x. So the measured
+exchange price (:mod:`loractld.serving.exchange_price`) is shown with the mode and exported,
+and decides nothing until a run shows a price at which holding pays. A device pin holds under
+every mode (the gate's invariant).
 """
 
 from __future__ import annotations
@@ -21,9 +19,6 @@ from collections.abc import Callable
 
 from loractld.serving.admission import DEFAULT_MAX_WAIT_S
 from loractld.serving.handover import MeasuredHandover
-
-ENGAGE = 1.0    # steps per exchange: hold from here
-RELEASE = 0.5   # and pass again from here down
 
 
 class Auto(MeasuredHandover):
@@ -34,26 +29,15 @@ class Auto(MeasuredHandover):
         super().__init__(max_wait_s)
         self.price = price
         self.mixing_costly = mixing_costly
-        self.engaged = True
 
     @property
     def holds(self) -> bool:  # type: ignore[override]  (a class attribute on the others)
-        if self.mixing_costly:
-            return True
-        price = self.price()
-        if price is not None:
-            if self.engaged and price <= RELEASE:
-                self.engaged = False
-            elif not self.engaged and price >= ENGAGE:
-                self.engaged = True
-        return self.engaged
+        return self.mixing_costly
 
     def why(self) -> str:
         """For ``status`` and ``top``: what ``auto`` decided from."""
         if self.mixing_costly:
             return "auto: loractl's CPU LoRA ops make a mixed step cost more than one of one adapter"
         price = self.price()
-        if price is None:
-            return f"auto: exchange price not measured yet (holding until it is at most {RELEASE} steps)"
-        return (f"auto: an exchange costs {price:.2f} steps (passthrough at {RELEASE} or less, "
-                f"holding at {ENGAGE} or more)")
+        measured = "not measured yet" if price is None else f"{price:.2f} steps"
+        return f"auto: mixing adapters in a step costs nothing extra here; an exchange costs {measured}"
