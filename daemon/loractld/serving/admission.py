@@ -142,7 +142,6 @@ class FirstCome:
     holds = True
 
     def why(self) -> str | None:
-        """What the policy decided its mode from, where that is more than its name (``auto``)."""
         return None
 
     def may_join(self, gate: Gate, key: int, now: float) -> bool:
@@ -389,8 +388,6 @@ class Gate:
         ticket = Ticket(f"r{next(self._ids)}", key, label, self.clock(), ref=ref)
         self.tickets[ticket.id] = ticket
         if key is None or key in self.pinned or self.passing:
-            if self.queue and self.passing:
-                self._pump()   # auto stopped holding since the last change: what waited goes in first
             self._admit(ticket)
             return ticket
         self.queue.append(ticket)
